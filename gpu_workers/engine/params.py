@@ -1,0 +1,117 @@
+"""The engine's public data: its configuration, per-request sampling parameters, and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before it runs; ``code`` is stable, the message says what to fix."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "bfloat16"
+    kv_budget_bytes: int = 256 * 2**20
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024  # per-step token budget; prefill is chunked to fit it
+    max_model_len: int | None = None  # defaults to the model's context length
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        for name in ("kv_budget_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; ``max_tokens`` None means up to the context limit."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            raise InvalidRequest("invalid_max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise InvalidRequest("invalid_temperature", f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest("invalid_top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest("invalid_top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("invalid_stop", "stop must be a list of non-empty strings")
+
+
+@dataclass
+class RequestError:
+    code: str
+    message: str
+
+
+@dataclass
+class RequestOutput:
+    """A finished request (from ``generate``) or the state so far (``finished`` False while streaming)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # stop | length | abort | error; None while running
+    prompt_tokens: int
+    cached_tokens: int = 0
+    error: RequestError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "error": None if self.error is None else {"code": self.error.code, "message": self.error.message},
+        }
+
+
+@dataclass
+class StreamEvent:
+    """One increment of a running request: the new tokens and the text they completed."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: RequestError | None = None
