@@ -59,13 +59,17 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
-            raise InvalidRequest("invalid_max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidRequest(
+                "invalid_max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}"
+            )
         if not self.temperature >= 0:
             raise InvalidRequest("invalid_temperature", f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest("invalid_top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest("invalid_top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise InvalidRequest(
+                "invalid_top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):

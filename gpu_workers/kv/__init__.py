@@ -5,4 +5,12 @@ from gpu_workers.kv.cache import KVCache
 from gpu_workers.kv.pool import OutOfPages, PagePool
 from gpu_workers.kv.spec import KVSpec
 
-__all__ = ["AttentionMetadata", "KVCache", "KVSpec", "OutOfPages", "PagePool", "PagedAttention", "paged_attention"]
+__all__ = [
+    "AttentionMetadata",
+    "KVCache",
+    "KVSpec",
+    "OutOfPages",
+    "PagePool",
+    "PagedAttention",
+    "paged_attention",
+]

@@ -1,0 +1,352 @@
+"""The engine: admit requests, step the scheduler and model, sample, stream tokens, free pages."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.engine.params import (
+    EngineConfig,
+    InvalidRequest,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    StreamEvent,
+)
+from gpu_workers.engine.runner import ModelRunner
+from gpu_workers.engine.sampling import sample
+from gpu_workers.engine.scheduler import Scheduler
+from gpu_workers.engine.sequence import Sequence, Status
+from gpu_workers.kv import KVCache
+from gpu_workers.kv.manager import PageManager
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """Continuous batching over a paged KV cache. Thread-safe: any thread may add, abort or step."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        model_config = model.config
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        spec = model.kv_spec
+        num_pages = KVCache.pages_for_budget(
+            spec, config.kv_budget_bytes, config.page_size, config.torch_dtype
+        )
+        if num_pages < 1:
+            page_bytes = config.page_size * spec.bytes_per_token(config.torch_dtype)
+            raise ValueError(
+                f"kv_budget_bytes={config.kv_budget_bytes} holds no KV page: one page of {config.page_size} "
+                f"tokens takes {page_bytes} bytes for this model; raise the budget or lower page_size"
+            )
+        self.cache = KVCache(spec, num_pages, config.page_size, config.torch_dtype, config.device)
+        self.pages = PageManager(num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pages, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, config.device)
+        eos = set(model_config.eos_token_ids or [])
+        if tokenizer is not None:
+            eos |= set(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._default_generator = torch.Generator().manual_seed(config.seed)
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._loop_thread: threading.Thread | None = None
+        self._counters = {"steps": 0, "generated_tokens": 0, "computed_tokens": 0}
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False
+    ) -> Engine:
+        """Load an HF checkpoint folder (config.json, safetensors, optional tokenizer.json)."""
+        from gpu_workers.model import load_model, load_tokenizer
+
+        config = config or EngineConfig()
+        model = load_model(path, dtype=config.torch_dtype, device=config.device, progress=progress)
+        return cls(model, load_tokenizer(path), config)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        on_event: Callable[[StreamEvent], None] | None = None,
+    ) -> str:
+        """Queue a request; returns its id. A bad request finishes at once with finish_reason "error"."""
+        return self._add(prompt, params or SamplingParams(), request_id, on_event).request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its pages; False if it is unknown or already finished."""
+        with self._lock:
+            seq = self._requests.get(request_id)
+            if seq is None:
+                return False
+            self._finish(seq, "abort")
+            seq.emit([], seq.detokenizer.finish() if seq.detokenizer else "")
+            return True
+
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion, batched together; one output per prompt, in order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        seqs = [self._add(p, sp, None, None) for p, sp in zip(prompts, params, strict=True)]
+        while any(s.finish_reason is None for s in seqs):
+            if self._loop_thread is None:
+                self.step()
+            else:
+                with self._work:
+                    self._work.wait(timeout=0.05)
+        return [s.output() for s in seqs]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> Iterator[StreamEvent]:
+        """Yield a StreamEvent per step that produced tokens; the last one has finish_reason set.
+
+        Closing the iterator early aborts the request and frees its pages.
+        """
+        events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+        seq = self._add(prompt, params or SamplingParams(), request_id, events.put)
+        try:
+            while True:
+                event = self._next_event(events)
+                if event is None:
+                    continue
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if seq.finish_reason is None:
+                self.abort(seq.request_id)
+
+    def _next_event(self, events: queue.SimpleQueue[StreamEvent]) -> StreamEvent | None:
+        try:
+            return events.get_nowait()
+        except queue.Empty:
+            pass
+        if self._loop_thread is None:
+            self.step()  # nobody else is stepping: this caller drives the engine for every request
+            return None
+        try:
+            return events.get(timeout=0.1)
+        except queue.Empty:
+            return None
+
+    # -- the step loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[StreamEvent]:
+        """Schedule, run the model once over the batch, sample, and emit events for the tokens produced."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            try:
+                rows, logits = self.runner.run(batch)
+            except Exception as exc:  # a failed forward ends its batch, never the engine
+                log.exception("model step failed; failing %d requests", len(batch.seqs))
+                events = []
+                for seq in batch.seqs:
+                    self._finish(seq, "error", RequestError("internal_error", f"model step failed: {exc}"))
+                    events.append(seq.emit([], ""))
+                return events
+            self._counters["steps"] += 1
+            self._counters["computed_tokens"] += sum(batch.num_new_tokens)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed += n
+            sampling = [batch.seqs[r] for r in rows]
+            tokens = sample(
+                logits,
+                [s.params for s in sampling],
+                [s.generator or self._default_generator for s in sampling],
+            )
+            events = [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
+            self._counters["generated_tokens"] += len(tokens)
+            self._work.notify_all()
+            return events
+
+    def start(self) -> None:
+        """Run the step loop on a background thread (for servers); ``stream`` then just waits."""
+        with self._lock:
+            if self._loop_thread is not None:
+                return
+            self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._loop_thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            thread, self._loop_thread = self._loop_thread, None
+            self._work.notify_all()
+        if thread is not None:
+            thread.join()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._work:
+                while self._loop_thread is me and not self.scheduler.has_work():
+                    self._work.wait()
+                if self._loop_thread is not me:
+                    return
+            self.step()
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "kv_capacity_tokens": self.pages.capacity_tokens,
+                "kv_pages_total": self.pages.num_pages,
+                "kv_pages_used": self.pages.num_pages - self.pages.num_free,
+                "kv_page_size": self.pages.page_size,
+                "kv_cache_bytes": self.cache.nbytes,
+                "kv_bytes_per_token": self.model.kv_spec.bytes_per_token(self.config.torch_dtype),
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "preemptions": self.scheduler.num_preemptions,
+                **self._counters,
+            }
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str | None, on_event) -> Sequence:
+        request_id = request_id or uuid.uuid4().hex
+        with self._lock:
+            seq = Sequence(request_id, [], params, 0, next(self._arrivals), on_event=on_event)
+            try:
+                if request_id in self._requests:
+                    raise InvalidRequest(
+                        "duplicate_request_id", f"request id {request_id!r} is already running"
+                    )
+                seq.prompt_ids = self._prompt_ids(prompt)
+                params.validate()
+                seq.max_tokens = self._max_tokens(len(seq.prompt_ids), params)
+                if params.stop and self.tokenizer is None:
+                    raise InvalidRequest("no_tokenizer", "stop strings need a tokenizer; use stop_token_ids")
+            except InvalidRequest as exc:
+                seq.status = Status.FINISHED
+                seq.finish_reason = "error"
+                seq.error = RequestError(exc.code, exc.message)
+                seq.emit([], "")
+                return seq
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, stop=params.stop, prompt_ids=seq.prompt_ids
+                )
+            self._requests[request_id] = seq
+            self.scheduler.add(seq)
+            self._work.notify_all()
+            return seq
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest(
+                    "no_tokenizer", "this checkpoint has no tokenizer.json; pass the prompt as token ids"
+                )
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    "invalid_prompt", f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
+                )
+        else:
+            raise InvalidRequest(
+                "invalid_prompt", f"a prompt is text or a list of token ids, not {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidRequest("empty_prompt", "the prompt is empty; send at least one token")
+        return ids
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        context = self.max_model_len
+        capacity = self.pages.capacity_tokens
+        if prompt_len >= context:
+            raise InvalidRequest(
+                "context_length_exceeded",
+                f"the prompt has {prompt_len} tokens but the model's context is {context} tokens, "
+                "including at least one output token; shorten the prompt",
+            )
+        if prompt_len >= capacity:
+            raise InvalidRequest(
+                "kv_budget_exceeded",
+                f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}; "
+                "shorten the prompt or give the engine a larger kv_budget_bytes",
+            )
+        limit = min(context, capacity)
+        if params.max_tokens is None:
+            return limit - prompt_len
+        total = prompt_len + params.max_tokens
+        if total > context:
+            raise InvalidRequest(
+                "context_length_exceeded",
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
+                f"of {context}; set max_tokens to at most {context - prompt_len}",
+            )
+        if total > capacity:
+            raise InvalidRequest(
+                "kv_budget_exceeded",
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache's "
+                f"{capacity} tokens; set max_tokens to at most {capacity - prompt_len} or raise kv_budget_bytes",
+            )
+        return params.max_tokens
+
+    def _append_token(self, seq: Sequence, token: int) -> StreamEvent:
+        seq.output_ids.append(token)
+        text = ""
+        reason = None
+        if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.detokenizer is not None:
+            text = seq.detokenizer.push([token])
+            if seq.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and len(seq.output_ids) >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if seq.detokenizer is not None and not seq.detokenizer.stopped:
+                text += seq.detokenizer.finish()
+            self._finish(seq, reason)
+        return seq.emit([token], text)
+
+    def _finish(self, seq: Sequence, reason: str, error: RequestError | None = None) -> None:
+        seq.finish_reason = reason
+        seq.error = error
+        self.scheduler.finish(seq)
+        self._requests.pop(seq.request_id, None)
+        self._work.notify_all()

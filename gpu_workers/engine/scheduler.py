@@ -1,0 +1,98 @@
+"""Which sequences run in the next step, and how many tokens each: plain Python over queues.
+
+Running sequences go first, oldest first (FCFS), so a request admitted earlier is never starved by a
+later one. Each running sequence needs one token (decode) or the next chunk of its prompt (chunked
+prefill) within the per-step token budget. When a running sequence needs a page and none is free, the
+newest running sequence is preempted: its pages are freed and it is recomputed later from its tokens.
+Waiting sequences are admitted in arrival order while their whole prompt fits in free pages.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass
+
+from gpu_workers.engine.sequence import Sequence, Status
+from gpu_workers.kv.manager import PageManager
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens computed this step for each sequence
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pages = pages
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # ordered by arrival
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, seq.num_computed + n):
+                break  # seq itself was preempted; everyone after it already was
+            self.pages.grow(seq.pages, seq.num_computed + n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # Room for the whole known sequence plus its next token, so a new prompt does not preempt
+            # older requests as soon as it starts decoding.
+            if not self.pages.can_grow(seq.pages, seq.num_tokens + 1):
+                break
+            self.waiting.popleft()
+            self.pages.grow(seq.pages, seq.num_tokens)
+            seq.status = Status.RUNNING
+            insort(self.running, seq, key=lambda s: s.arrival)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt the newest running sequences until ``seq`` can hold ``num_tokens``; False if seq went."""
+        while not self.pages.can_grow(seq.pages, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pages.release(seq.pages)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence from whichever queue holds it and free its pages at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.pages.release(seq.pages)
+        seq.status = Status.FINISHED

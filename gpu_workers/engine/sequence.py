@@ -1,0 +1,68 @@
+"""One request's state inside the engine: its tokens, page table, sampling state and text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.engine.params import RequestError, RequestOutput, SamplingParams, StreamEvent
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved from params and the context/KV limits
+    arrival: int  # admission order; lower is older (FCFS)
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    on_event: object = None  # callable(StreamEvent) or None
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: RequestError | None = None
+    cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=list(self.output_ids),
+            text=self.text,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens,
+            error=self.error,
+        )
+
+    def emit(self, token_ids: list[int], text: str) -> StreamEvent:
+        event = StreamEvent(self.request_id, token_ids, text, self.finish_reason, self.error)
+        if self.on_event is not None:
+            self.on_event(event)
+        return event

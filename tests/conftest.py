@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny checkpoints built at test time (HF transformers writes them, we load them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A random fp32 Llama checkpoint (GQA, no tokenizer files), written by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=127,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    # Random init leaves logits nearly flat; a larger output scale makes greedy picks decisive.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory):
+    """The demo checkpoint `tessera init-model` writes: random Llama weights plus a real BPE tokenizer."""
+    from gpu_workers.model.demo_checkpoint import write_demo_checkpoint
+
+    path = tmp_path_factory.mktemp("demo-model")
+    write_demo_checkpoint(path, seed=0)
+    return path
