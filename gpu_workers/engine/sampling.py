@@ -15,6 +15,8 @@ def sample(
     Each row draws from its own generator, so a seeded request picks the same tokens whatever else is
     in the batch.
     """
+    if not params:
+        return []
     greedy = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     tokens = greedy.tolist()
