@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -27,7 +28,9 @@ from gpu_workers.engine.sampling import sample
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Sequence, Status
 from gpu_workers.kv import KVCache
+from gpu_workers.kv.integrity import IntegrityTracker
 from gpu_workers.kv.manager import PageManager
+from gpu_workers.kv.prefix_cache import PrefixCache, tenant_salt
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,13 @@ class Engine:
                 f"tokens takes {page_bytes} bytes for this model; raise the budget or lower page_size"
             )
         self.cache = KVCache(spec, num_pages, config.page_size, config.torch_dtype, config.device)
-        self.pages = PageManager(num_pages, config.page_size)
+        self.pages = PageManager(
+            num_pages,
+            config.page_size,
+            IntegrityTracker(num_pages, config.device) if config.integrity_check else None,
+            PrefixCache() if config.prefix_cache else None,
+        )
+        self._salt_secret = config.prefix_cache_secret or os.urandom(32)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, config.device)
         eos = set(model_config.eos_token_ids or [])
@@ -91,10 +100,14 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        tenant: str | None = None,
         on_event: Callable[[StreamEvent], None] | None = None,
     ) -> str:
-        """Queue a request; returns its id. A bad request finishes at once with finish_reason "error"."""
-        return self._add(prompt, params or SamplingParams(), request_id, on_event).request_id
+        """Queue a request; returns its id. A bad request finishes at once with finish_reason "error".
+
+        ``tenant`` scopes the prefix cache: only requests of the same tenant share cached pages.
+        """
+        return self._add(prompt, params or SamplingParams(), request_id, on_event, tenant).request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if it is unknown or already finished."""
@@ -107,7 +120,10 @@ class Engine:
             return True
 
     def generate(
-        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        tenant: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion, batched together; one output per prompt, in order."""
         if isinstance(prompts, str) or (
@@ -118,7 +134,7 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        seqs = [self._add(p, sp, None, None) for p, sp in zip(prompts, params, strict=True)]
+        seqs = [self._add(p, sp, None, None, tenant) for p, sp in zip(prompts, params, strict=True)]
         while any(s.finish_reason is None for s in seqs):
             if self._loop_thread is None:
                 self.step()
@@ -128,14 +144,19 @@ class Engine:
         return [s.output() for s in seqs]
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tenant: str | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield a StreamEvent per step that produced tokens; the last one has finish_reason set.
 
         Closing the iterator early aborts the request and frees its pages.
         """
         events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
-        seq = self._add(prompt, params or SamplingParams(), request_id, events.put)
+        seq = self._add(prompt, params or SamplingParams(), request_id, events.put, tenant)
         try:
             while True:
                 event = self._next_event(events)
@@ -167,13 +188,13 @@ class Engine:
         """Schedule, run the model once over the batch, sample, and emit events for the tokens produced."""
         with self._lock:
             batch = self.scheduler.schedule()
+            events = self._verify_integrity(batch) if self.config.integrity_check else []
             if not batch:
-                return []
+                return events
             try:
                 rows, logits = self.runner.run(batch)
             except Exception as exc:  # a failed forward ends its batch, never the engine
                 log.exception("model step failed; failing %d requests", len(batch.seqs))
-                events = []
                 for seq in batch.seqs:
                     self._finish(seq, "error", RequestError("internal_error", f"model step failed: {exc}"))
                     events.append(seq.emit([], ""))
@@ -182,16 +203,38 @@ class Engine:
             self._counters["computed_tokens"] += sum(batch.num_new_tokens)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 seq.num_computed += n
+                self.pages.publish(seq.table, seq.tokens(0, seq.num_computed), seq.num_computed)
             sampling = [batch.seqs[r] for r in rows]
             tokens = sample(
                 logits,
                 [s.params for s in sampling],
                 [s.generator or self._default_generator for s in sampling],
             )
-            events = [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
+            events += [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
             self._counters["generated_tokens"] += len(tokens)
             self._work.notify_all()
             return events
+
+    def _verify_integrity(self, batch) -> list[StreamEvent]:
+        """One batched check of every page the step will read; abort only the sequences that fail it."""
+        mismatches = self.pages.integrity.verify(
+            [s.table.pages for s in batch.seqs], [s.table.generations for s in batch.seqs]
+        )
+        if not mismatches:
+            return []
+        events = []
+        for row in sorted({m.row for m in mismatches}, reverse=True):
+            seq = batch.seqs[row]
+            first = next(m for m in mismatches if m.row == row)
+            error = RequestError(
+                "kv_integrity_violation",
+                f"KV page {first.page} was reallocated (expected generation {first.expected}, found "
+                f"{first.found}); the request was stopped instead of reading another request's state",
+            )
+            del batch.seqs[row], batch.num_new_tokens[row]
+            self._finish(seq, "error", error)
+            events.append(seq.emit([], ""))
+        return events
 
     def start(self) -> None:
         """Run the step loop on a background thread (for servers); ``stream`` then just waits."""
@@ -223,23 +266,31 @@ class Engine:
             return self.scheduler.has_work()
 
     def stats(self) -> dict:
+        cache = self.pages.prefix_cache
         with self._lock:
             return {
                 "kv_capacity_tokens": self.pages.capacity_tokens,
                 "kv_pages_total": self.pages.num_pages,
-                "kv_pages_used": self.pages.num_pages - self.pages.num_free,
+                "kv_pages_used": self.pages.num_used,
                 "kv_page_size": self.pages.page_size,
                 "kv_cache_bytes": self.cache.nbytes,
                 "kv_bytes_per_token": self.model.kv_spec.bytes_per_token(self.config.torch_dtype),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "preemptions": self.scheduler.num_preemptions,
+                "integrity_check": self.config.integrity_check,
+                "integrity_mismatches": self.pages.integrity.mismatches,
+                "prefix_cache_query_tokens": cache.query_tokens if cache else 0,
+                "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+                "prefix_cache_pages": cache.num_cached if cache else 0,
                 **self._counters,
             }
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str | None, on_event) -> Sequence:
+    def _add(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, on_event, tenant: str | None
+    ) -> Sequence:
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
             seq = Sequence(request_id, [], params, 0, next(self._arrivals), on_event=on_event)
@@ -259,6 +310,7 @@ class Engine:
                 seq.error = RequestError(exc.code, exc.message)
                 seq.emit([], "")
                 return seq
+            seq.table.salt = tenant_salt(self._salt_secret, tenant)
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed)
             if self.tokenizer is not None:

@@ -28,6 +28,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     device: str = "cpu"
     seed: int = 0
+    integrity_check: bool = True  # verify page generations before every step reads the cache
+    prefix_cache: bool = True  # reuse full KV pages of a tenant's earlier prompts
+    prefix_cache_secret: bytes | None = None  # keys tenant salts; None draws a random one per engine
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

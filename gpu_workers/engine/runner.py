@@ -34,7 +34,7 @@ class ModelRunner:
                 last_rows.append(row)
                 last_tokens.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(
-            [seq.pages for seq in batch.seqs],
+            [seq.table.pages for seq in batch.seqs],
             context_lens,
             batch.num_new_tokens,
             self.cache.page_size,

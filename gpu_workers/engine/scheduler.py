@@ -50,7 +50,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._make_room(seq, seq.num_computed + n):
                 break  # seq itself was preempted; everyone after it already was
-            self.pages.grow(seq.pages, seq.num_computed + n)
+            self.pages.grow(seq.table, seq.num_computed + n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -59,10 +59,16 @@ class Scheduler:
             seq = self.waiting[0]
             # Room for the whole known sequence plus its next token, so a new prompt does not preempt
             # older requests as soon as it starts decoding.
-            if not self.pages.can_grow(seq.pages, seq.num_tokens + 1):
+            tokens = seq.tokens(0, seq.num_tokens)
+            seq.num_computed = self.pages.match_prefix(seq.table, tokens, seq.num_tokens + 1)
+            if not self.pages.can_grow(seq.table, seq.num_tokens + 1):
                 break
             self.waiting.popleft()
-            self.pages.grow(seq.pages, seq.num_tokens)
+            self.pages.grow(seq.table, seq.num_tokens)
+            if not seq.admitted:
+                seq.admitted = True
+                seq.cached_tokens = seq.num_computed
+                self.pages.count_query(seq.num_tokens, seq.num_computed)
             seq.status = Status.RUNNING
             insort(self.running, seq, key=lambda s: s.arrival)
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -73,7 +79,7 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest running sequences until ``seq`` can hold ``num_tokens``; False if seq went."""
-        while not self.pages.can_grow(seq.pages, num_tokens):
+        while not self.pages.can_grow(seq.table, num_tokens):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -82,7 +88,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pages.release(seq.pages)
+        self.pages.release(seq.table)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -94,5 +100,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.pages.release(seq.pages)
+        self.pages.release(seq.table)
         seq.status = Status.FINISHED

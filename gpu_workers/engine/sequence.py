@@ -9,6 +9,7 @@ import torch
 
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.engine.params import RequestError, RequestOutput, SamplingParams, StreamEvent
+from gpu_workers.kv.manager import PageTable
 
 
 class Status(enum.Enum):
@@ -28,12 +29,13 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     on_event: object = None  # callable(StreamEvent) or None
     output_ids: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    table: PageTable = field(default_factory=PageTable)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: RequestError | None = None
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted: bool = False
 
     @property
     def num_tokens(self) -> int:

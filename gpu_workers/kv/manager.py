@@ -1,16 +1,38 @@
-"""Per-sequence page tables over one page pool: grow a table to hold N tokens, release it."""
+"""Per-sequence page tables over one page pool, with the prefix cache and integrity tags beside them."""
 
 from __future__ import annotations
 
-from gpu_workers.kv.pool import PagePool
+from dataclasses import dataclass, field
+
+from gpu_workers.kv.integrity import IntegrityTracker, NullIntegrityTracker
+from gpu_workers.kv.pool import OutOfPages, PagePool
+from gpu_workers.kv.prefix_cache import PrefixCache, page_hash
+
+
+@dataclass
+class PageTable:
+    """The pages a sequence holds, the generation it expects of each, and the hashes of its full pages."""
+
+    salt: bytes = b""
+    pages: list[int] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class PageManager:
-    """Owns the page pool of one engine; a page table is the list of page ids a sequence holds."""
+    """Owns the page pool of one engine: allocation, sharing through the prefix cache, integrity tags."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        integrity: IntegrityTracker | NullIntegrityTracker | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.pool = PagePool(num_pages)
         self.page_size = page_size
+        self.integrity = integrity or NullIntegrityTracker()
+        self.prefix_cache = prefix_cache
 
     @property
     def num_pages(self) -> int:
@@ -18,7 +40,14 @@ class PageManager:
 
     @property
     def num_free(self) -> int:
-        return self.pool.num_free
+        """Pages an allocation can get: free ones plus cached pages nobody references."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return self.pool.num_free + evictable
+
+    @property
+    def num_used(self) -> int:
+        """Pages referenced by at least one sequence."""
+        return self.num_pages - self.num_free
 
     @property
     def capacity_tokens(self) -> int:
@@ -27,16 +56,65 @@ class PageManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def can_grow(self, table: list[int], num_tokens: int) -> bool:
-        return self.pages_needed(num_tokens) - len(table) <= self.pool.num_free
+    def can_grow(self, table: PageTable, num_tokens: int) -> bool:
+        return self.pages_needed(num_tokens) - len(table.pages) <= self.num_free
 
-    def grow(self, table: list[int], num_tokens: int) -> None:
-        """Append pages to ``table`` until it holds ``num_tokens``; raises OutOfPages if they are not free."""
-        missing = self.pages_needed(num_tokens) - len(table)
-        if missing > 0:
-            table.extend(self.pool.allocate(missing))
+    def grow(self, table: PageTable, num_tokens: int) -> None:
+        """Append pages until the table holds ``num_tokens``; raises OutOfPages if they are not there."""
+        missing = self.pages_needed(num_tokens) - len(table.pages)
+        if missing <= 0:
+            return
+        if missing > self.num_free:
+            raise OutOfPages(f"asked for {missing} pages, {self.num_free} available")
+        while self.pool.num_free < missing:
+            self.pool.free(self.prefix_cache.evict())
+        pages = self.pool.allocate(missing)
+        table.pages.extend(pages)
+        table.generations.extend(self.integrity.bump(pages))
 
-    def release(self, table: list[int]) -> None:
-        """Drop the table's references; its pages are free again unless shared."""
-        self.pool.release(table)
-        table.clear()
+    def match_prefix(self, table: PageTable, tokens: list[int], num_tokens: int) -> int:
+        """Attach cached pages that begin ``tokens`` to an empty table, keeping room for ``num_tokens``.
+
+        Returns the number of tokens served from cache (0 when the pages the rest needs are not available;
+        then nothing is attached). At least one token is always left to compute, for its logits.
+        """
+        if self.prefix_cache is None or table.pages:
+            return 0
+        hits = self.prefix_cache.match(
+            table.salt, tokens, self.page_size, (len(tokens) - 1) // self.page_size
+        )
+        revived = sum(self.prefix_cache.is_evictable(page) for page, _ in hits)
+        if self.pages_needed(num_tokens) - len(hits) > self.num_free - revived:
+            return 0
+        for page, h in hits:
+            self.pool.incref(page)
+            self.prefix_cache.touch(page)
+            table.pages.append(page)
+            table.hashes.append(h)
+        table.generations.extend(self.integrity.current(table.pages))
+        return len(hits) * self.page_size
+
+    def count_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.query_tokens += prompt_tokens
+            self.prefix_cache.hit_tokens += hit_tokens
+
+    def publish(self, table: PageTable, tokens: list[int], num_computed: int) -> None:
+        """Add the table's pages that are now full and computed to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        for i in range(len(table.hashes), num_computed // self.page_size):
+            chunk = tokens[i * self.page_size : (i + 1) * self.page_size]
+            h = page_hash(table.salt, table.hashes[-1] if table.hashes else b"", chunk)
+            self.prefix_cache.insert(table.pages[i], h, chunk)
+            table.hashes.append(h)
+
+    def release(self, table: PageTable) -> None:
+        """Drop the table's references; unreferenced pages become cached-evictable or free."""
+        # Tail pages first, so the LRU evicts the end of a prefix before its beginning.
+        for page in self.pool.decref(table.pages[::-1]):
+            if self.prefix_cache is None or not self.prefix_cache.park(page):
+                self.pool.free(page)
+        table.pages.clear()
+        table.generations.clear()
+        table.hashes.clear()

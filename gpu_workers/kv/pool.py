@@ -10,7 +10,11 @@ class OutOfPages(RuntimeError):
 
 
 class PagePool:
-    """A fixed set of page ids with refcounts. A page is free exactly when its refcount is zero."""
+    """A fixed set of page ids with refcounts and a free list.
+
+    A page whose count drops to zero is handed back to the caller, who either frees it or keeps it as a
+    cached prefix page (still unreferenced, but not on the free list until evicted).
+    """
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
@@ -23,10 +27,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
@@ -36,15 +36,20 @@ class PagePool:
         return pages
 
     def incref(self, page: int) -> None:
-        if self.refcount[page] <= 0:
-            raise ValueError(f"page {page} is free; only a live page can gain a reference")
         self.refcount[page] += 1
 
-    def release(self, pages: list[int]) -> None:
-        """Drop one reference to each page; pages whose count reaches zero return to the free list."""
+    def decref(self, pages: list[int]) -> list[int]:
+        """Drop one reference to each page; return the pages nobody references any more."""
+        unreferenced = []
         for page in pages:
             if self.refcount[page] <= 0:
                 raise ValueError(f"page {page} released more often than it was referenced")
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
-                self._free.append(page)
+                unreferenced.append(page)
+        return unreferenced
+
+    def free(self, page: int) -> None:
+        if self.refcount[page] != 0:
+            raise ValueError(f"page {page} still has {self.refcount[page]} references; it cannot be freed")
+        self._free.append(page)

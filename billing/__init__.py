@@ -1,0 +1,1 @@
+"""Usage ledger, price book, invoices and Prometheus meters."""

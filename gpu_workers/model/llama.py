@@ -1,0 +1,136 @@
+"""The Llama decoder; Mistral, Qwen2 and Qwen3 are the same network with config flags.
+
+Biases (Qwen2, attention_bias), per-head q/k RMSNorm (Qwen3) and sliding windows (Mistral, Qwen) come
+from ``ModelConfig``. Module names match the checkpoint's tensor names, so weights load by name.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_workers.kv import KVSpec
+from gpu_workers.model.config import ModelConfig
+from gpu_workers.model.layers import MLP, RMSNorm
+from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V to the cache and attends through it (``gpu_workers.kv.PagedAttention``)."""
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    """Project to q/k/v, rotate q and k by position, attend through the paged cache, project back."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_idx]
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attn(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """x += attn(norm(x)); x += mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Token embedding, the decoder layers and the final norm (HF's ``model.*`` tensors)."""
+
+    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``model(input_ids, positions, attn) -> hidden [T, hidden]``; ``compute_logits(hidden) -> [N, vocab]``.
+
+    ``input_ids`` and ``positions`` are the flat batch [T] of every scheduled sequence's new tokens.
+    """
+
+    layer_cls: type[nn.Module] = DecoderLayer
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, self.layer_cls)
+        # Tied checkpoints reuse the embedding as the output projection and store no lm_head.weight.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        return KVSpec(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] of the hidden states [N, hidden] the caller picked (e.g. last tokens)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

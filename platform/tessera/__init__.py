@@ -1,0 +1,1 @@
+"""Tessera's control plane: settings, CLI, gateway, tenants, quotas, deployments."""
