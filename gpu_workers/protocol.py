@@ -1,0 +1,169 @@
+"""The messages between the gateway and the worker pools: task payloads, stream events, KV hand-off header.
+
+Torch-free and dependency-free: this is the only part of ``gpu_workers`` the gateway imports.
+Every message is a dataclass that round-trips through JSON (``to_json`` / ``from_json``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T", bound="Message")
+
+TASK_SERVE = "tessera.serve"  # colocated: one worker does prefill and decode
+TASK_PREFILL = "tessera.prefill"  # disaggregated, phase 1: prefill, first token, KV hand-off
+TASK_DECODE = "tessera.decode"  # disaggregated, phase 2: import KV, decode the rest
+POOLS = ("serve", "prefill", "decode")
+
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TTL_S = 10.0  # a worker not seen for this long is dead to the router
+STREAM_TTL_S = 600  # token streams expire after this, read or not
+HANDOFF_TTL_S = 120  # KV hand-off blobs expire if no decode worker imports them
+
+
+def pool_queue(deployment: str, pool: str) -> str:
+    return f"tessera.{deployment}.{pool}"
+
+
+def worker_queue(worker_id: str) -> str:
+    return f"tessera.worker.{worker_id}"
+
+
+def stream_key(request_id: str) -> str:
+    return f"tessera:stream:{request_id}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"tessera:cancel:{request_id}"
+
+
+def handoff_key(request_id: str) -> str:
+    return f"tessera:kv:{request_id}"
+
+
+def workers_key(deployment: str, pool: str) -> str:
+    """Redis hash: worker id -> WorkerInfo JSON, refreshed every heartbeat."""
+    return f"tessera:workers:{deployment}:{pool}"
+
+
+class Message:
+    _nested: ClassVar[dict[str, type[Message]]] = {}  # fields that hold another message
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for name, kind in cls._nested.items():
+            if isinstance(values.get(name), dict):
+                values[name] = kind.from_dict(values[name])
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls: type[T], raw: str | bytes) -> T:
+        return cls.from_dict(json.loads(raw))
+
+
+@dataclass
+class Sampling(Message):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerateTask(Message):
+    """What the gateway queues for one request (and what prefill passes on to decode)."""
+
+    request_id: str
+    deployment: str
+    tenant: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    deadline: float  # unix time; a worker drops the request after it
+    decode_queue: str | None = None  # disaggregated: the decode queue prefill hands the request to
+
+    _nested: ClassVar[dict[str, type[Message]]] = {"sampling": Sampling}
+
+
+@dataclass
+class Usage(Message):
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Event(Message):
+    """One entry of a request's Redis Stream. ``kind``: token | final | error."""
+
+    kind: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    error: dict[str, str] | None = None  # {"code", "message"}
+    worker_id: str = ""
+
+
+@dataclass
+class KVHandoff(Message):
+    """Header of a KV hand-off: which tokens' KV the blob holds, in which format and layout."""
+
+    request_id: str
+    kv_format: str  # the decode pool's format: bf16 | fp8_e4m3 | ...
+    num_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    first_token: int
+    cached_tokens: int
+    transport: str = "redis"  # redis | shm
+    location: str = ""  # Redis key or shared-memory name
+
+
+@dataclass
+class WorkerInfo(Message):
+    worker_id: str
+    deployment: str
+    pool: str
+    queue: str
+    host: str
+    pid: int
+    last_seen: float
+    kv_pages_total: int = 0
+    kv_pages_used: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass
+class DeploymentSpec(Message):
+    """What a worker needs to serve a deployment; the control plane reads it from its database."""
+
+    name: str  # the model id tenants call, e.g. "@tessera/demo"
+    checkpoint: str  # checkpoint folder on the worker host
+    mode: str = "disaggregated"  # disaggregated | colocated
+    dtype: str = "bfloat16"
+    prefill_kv: str = "auto"  # KV format the prefill pool computes in
+    decode_kv: str = "fp8_e4m3"  # KV format the decode pool stores (the hand-off converts)
+    prefill_weights: str = "bf16"
+    decode_weights: str = "bf16"
+    page_size: int = 16
+    kv_budget_bytes: int = 256 * 2**20
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    integrity_check: bool = True
+    prefix_cache: bool = True
+
+    def queue(self, pool: str) -> str:
+        return pool_queue(self.name, pool)
