@@ -50,16 +50,16 @@ class Engine:
             model_config.max_position_embeddings,
         )
         spec = model.kv_spec
-        num_pages = KVCache.pages_for_budget(
-            spec, config.kv_budget_bytes, config.page_size, config.torch_dtype
-        )
+        num_pages = KVCache.pages_for_budget(spec, config.kv_budget_bytes, config.page_size, config.kv_dtype)
         if num_pages < 1:
-            page_bytes = config.page_size * spec.bytes_per_token(config.torch_dtype)
+            page_bytes = KVCache.page_bytes(spec, config.page_size, config.kv_dtype)
             raise ValueError(
                 f"kv_budget_bytes={config.kv_budget_bytes} holds no KV page: one page of {config.page_size} "
                 f"tokens takes {page_bytes} bytes for this model; raise the budget or lower page_size"
             )
-        self.cache = KVCache(spec, num_pages, config.page_size, config.torch_dtype, config.device)
+        self.cache = KVCache(
+            spec, num_pages, config.page_size, config.kv_dtype, config.device, config.kv_scales
+        )
         self.pages = PageManager(
             num_pages,
             config.page_size,
@@ -274,7 +274,8 @@ class Engine:
                 "kv_pages_used": self.pages.num_used,
                 "kv_page_size": self.pages.page_size,
                 "kv_cache_bytes": self.cache.nbytes,
-                "kv_bytes_per_token": self.model.kv_spec.bytes_per_token(self.config.torch_dtype),
+                "kv_cache_dtype": self.config.kv_cache_dtype,
+                "kv_bytes_per_token": self.cache.bytes_per_token,
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "preemptions": self.scheduler.num_preemptions,

@@ -28,6 +28,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     device: str = "cpu"
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # auto (= dtype, unquantised), bf16 or fp8_e4m3
+    kv_scales: str | None = None  # static FP8 KV scales (`tessera calibrate`); None: dynamic per sequence
     integrity_check: bool = True  # verify page generations before every step reads the cache
     prefix_cache: bool = True  # reuse full KV pages of a tenant's earlier prompts
     prefix_cache_secret: bytes | None = None  # keys tenant salts; None draws a random one per engine
@@ -35,6 +37,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_scales is not None and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(
+                f"kv_scales are FP8 KV scales; set kv_cache_dtype='fp8_e4m3' (it is {self.kv_cache_dtype!r})"
+            )
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
         for name in ("kv_budget_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -44,6 +52,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's dtype for "auto", else the named format."""
+        named = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+        return named.get(self.kv_cache_dtype, self.torch_dtype)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 One step packs the new tokens of every scheduled sequence into a flat batch of T tokens. Sequence i
 contributes ``query_lens[i]`` tokens, the last ones of its ``context_lens[i]`` cached tokens (prefill
 chunks and decode tokens are the same thing with different lengths). Kernels later implement the same
-``paged_attention`` signature.
+``paged_attention`` signature. An FP8 cache is read by gathering the slots a group needs and dequantising
+only those, with the per-page scales the cache keeps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.kv.cache import KVCache
+from gpu_workers.kv.cache import KVCache, WriteSpans
+from gpu_workers.kv.formats import dequantize_fp8
 
 
 @dataclass
@@ -37,6 +39,7 @@ class AttentionMetadata:
     page_tables: list[list[int]]
     page_size: int
     groups: list[_Group]
+    spans: WriteSpans | None = None  # which sequence each new token belongs to (dynamic FP8 scales)
 
     @classmethod
     def build(
@@ -50,13 +53,17 @@ class AttentionMetadata:
         if not (len(page_tables) == len(context_lens) == len(query_lens)):
             raise ValueError("page_tables, context_lens and query_lens must have one entry per sequence")
         slots: list[int] = []
-        for table, ctx, q in zip(page_tables, context_lens, query_lens, strict=True):
+        token_seq: list[int] = []
+        prev_page: list[int] = []
+        for row, (table, ctx, q) in enumerate(zip(page_tables, context_lens, query_lens, strict=True)):
             if q <= 0 or q > ctx:
                 raise ValueError(f"query length {q} must be in 1..context length {ctx}")
             if len(table) * page_size < ctx:
                 raise ValueError(f"page table of {len(table)} pages cannot hold {ctx} tokens")
             for pos in range(ctx - q, ctx):
                 slots.append(table[pos // page_size] * page_size + pos % page_size)
+            token_seq.extend([row] * q)
+            prev_page.append(table[(ctx - q - 1) // page_size] if ctx > q else -1)
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
@@ -76,6 +83,10 @@ class AttentionMetadata:
             page_tables=[list(t) for t in page_tables],
             page_size=page_size,
             groups=groups,
+            spans=WriteSpans(
+                torch.tensor(token_seq, dtype=torch.long, device=device),
+                torch.tensor(prev_page, dtype=torch.long, device=device),
+            ),
         )
 
     @property
@@ -109,17 +120,20 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the flat queries ``q`` [T, heads, dim] over cached slots [slots, kv_heads, dim].
 
     GQA: query head h reads KV head ``h // (heads // kv_heads)``. Returns [T, heads, dim] in q's dtype.
+    FP8 slots (uint8 bits) come with ``k_scale``/``v_scale``, the per-page scales [pages] of this layer.
     """
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_slots.shape[1]
     for g in meta.groups:
         qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = k_slots[g.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, K, D]
-        vg = v_slots[g.key_slots].transpose(1, 2).to(q.dtype)
+        kg = _gather(k_slots, g.key_slots, k_scale, meta.page_size, q.dtype).transpose(1, 2)  # [B, Hkv, K, D]
+        vg = _gather(v_slots, g.key_slots, v_scale, meta.page_size, q.dtype).transpose(1, 2)
         mask = g.key_pos[:, None, :] <= g.q_pos[:, :, None]  # [B, Q, K]
         if sliding_window is not None:
             mask &= g.key_pos[:, None, :] > g.q_pos[:, :, None] - sliding_window
@@ -129,6 +143,20 @@ def paged_attention(
         o = o.transpose(1, 2)  # [B, Q, H, D]
         out[g.q_index[g.q_valid]] = o[g.q_valid]
     return out
+
+
+def _gather(
+    slots: torch.Tensor,
+    index: torch.Tensor,
+    page_scale: torch.Tensor | None,
+    page_size: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The cached entries at ``index`` [B, K] as [B, K, kv_heads, dim] in ``dtype``, dequantised if FP8."""
+    x = slots[index]
+    if page_scale is None:
+        return x.to(dtype)
+    return dequantize_fp8(x, page_scale[index // page_size][..., None, None], dtype)
 
 
 class PagedAttention:
@@ -147,6 +175,7 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        self.cache.write(layer, k, v, self.meta.slot_mapping)
+        self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
         k_slots, v_slots = self.cache.layer(layer)
-        return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window)
+        k_scale, v_scale = self.cache.layer_scales(layer)
+        return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)

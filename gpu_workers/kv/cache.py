@@ -1,16 +1,56 @@
-"""The KV tensors of one engine: pages of K and V for every layer, sized from a byte budget."""
+"""The KV tensors of one engine: pages of K and V for every layer in the engine's KV format.
+
+Formats: unquantised (``float32``/``bfloat16``/``float16`` elements, stored as they are) or
+``float8_e4m3fn`` (uint8 bits of ``x / scale``, see ``formats``). FP8 scales are per layer for K and V and
+stored per (layer, page), fp32, so that a page always carries the scale it was written with: a prefix
+page shared by later sequences, or handed to another pool, stays readable without its writer.
+
+Where the scales come from:
+- static: a calibration file (``tessera calibrate``) gives one scale per layer for K and V; every page of
+  the layer uses it.
+- dynamic (no file): a sequence's scale is set by its own K/V. When a step writes a page's first slot
+  (the page is opened), the page gets ``max(scale of the sequence's previous page, amax of the sequence's
+  new tokens this step / 448 rounded up to a power of two)``. So the first prefill chunk sets the scale
+  from the prompt's amax, and pages opened later in prefill or decode inherit it, growing only if the new
+  tokens need more range. Tokens written into an already opened page use its scale and saturate at
+  ±448·scale if they exceed it. A sequence that starts from cached prefix pages inherits the scale of its
+  last cached page. Power-of-two scales make the stored values (nearly) independent of where prefill
+  chunks fall, so a request's output does not depend on the step token budget or its batch
+  (``formats.fp8_scale_pow2``).
+Scale bytes are part of every page's cost, so ``pages_for_budget`` stays honest about capacity.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
+from gpu_workers.kv.formats import (
+    SCALE_DTYPE,
+    KVScales,
+    fp8_scale_pow2,
+    is_fp8,
+    quantize_fp8,
+    storage_dtype,
+)
 from gpu_workers.kv.spec import KVSpec
+
+
+@dataclass
+class WriteSpans:
+    """Which sequence each token of a write belongs to, so dynamic FP8 scales are per sequence."""
+
+    token_seq: torch.Tensor  # [T] row of the sequence each new token belongs to
+    prev_page: torch.Tensor  # [S] page holding each sequence's token just before this write; -1 if none
 
 
 class KVCache:
     """K and V pages, shape [layers, pages, page_size, kv_heads, head_dim] each.
 
-    A token's slot is ``page * page_size + offset``; writes scatter new tokens to their slots.
+    A token's slot is ``page * page_size + offset``; writes scatter new tokens to their slots. For FP8,
+    ``k_scale``/``v_scale`` [layers, pages] hold each page's scale.
     """
 
     def __init__(
@@ -20,37 +60,124 @@ class KVCache:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        scales: KVScales | str | Path | None = None,
     ):
         if page_size <= 0 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {page_size}")
+        if scales is not None and not is_fp8(dtype):
+            raise ValueError(f"KV scales only apply to an FP8 KV cache; this cache stores {dtype}")
+        if isinstance(scales, str | Path):
+            scales = KVScales.load(scales)
+        if scales is not None and scales.num_layers != spec.num_layers:
+            raise ValueError(
+                f"the KV scales file has {scales.num_layers} layers but the model has {spec.num_layers}; "
+                "calibrate this model with `tessera calibrate`"
+            )
         self.spec = spec
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
+        self.static_scales = scales
         shape = (spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
+        self.v = torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if is_fp8(dtype):
+            # Dynamic scales start at 1.0 and are set when a page is opened; static ones never change.
+            ones = (1.0,) * spec.num_layers
+            self.k_scale = _per_page(scales.k_scale if scales else ones, num_pages, device)
+            self.v_scale = _per_page(scales.v_scale if scales else ones, num_pages, device)
+
+    @staticmethod
+    def page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page costs: its K/V elements plus, for FP8, its K and V scale in every layer."""
+        scale_bytes = 2 * spec.num_layers * SCALE_DTYPE.itemsize if is_fp8(dtype) else 0
+        return page_size * spec.bytes_per_token(storage_dtype(dtype)) + scale_bytes
 
     @staticmethod
     def pages_for_budget(spec: KVSpec, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:
-        """How many whole pages fit in ``budget_bytes``."""
-        return budget_bytes // (page_size * spec.bytes_per_token(dtype))
+        """How many whole pages (scales included) fit in ``budget_bytes``."""
+        return budget_bytes // KVCache.page_bytes(spec, page_size, dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return is_fp8(self.dtype)
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
     @property
+    def bytes_per_token(self) -> float:
+        return self.page_bytes(self.spec, self.page_size, self.dtype) / self.page_size
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
+        return self.k.nbytes + self.v.nbytes + scales
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer flattened to slots: [pages * page_size, kv_heads, head_dim]."""
+        """K and V of one layer flattened to slots: [pages * page_size, kv_heads, head_dim], as stored."""
         k = self.k[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         v = self.v[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
         return k, v
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-page K and V scales [pages] of one layer; None for an unquantised cache."""
+        if not self.quantized:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def write(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        spans: WriteSpans | None = None,
+    ) -> None:
+        """Store new tokens' K/V [T, kv_heads, head_dim] at their slots.
+
+        ``spans`` says which sequence each token belongs to; without it (FP8, dynamic scales) the whole
+        write is treated as one sequence with no earlier pages.
+        """
         k_slots, v_slots = self.layer(layer)
-        k_slots[slot_mapping] = k.to(self.dtype)
-        v_slots[slot_mapping] = v.to(self.dtype)
+        if not self.quantized:
+            k_slots[slot_mapping] = k.to(self.dtype)
+            v_slots[slot_mapping] = v.to(self.dtype)
+            return
+        if slot_mapping.numel() == 0:
+            return
+        pages = slot_mapping // self.page_size
+        for x, slots, page_scale in ((k, k_slots, self.k_scale[layer]), (v, v_slots, self.v_scale[layer])):
+            if self.static_scales is None:
+                self._open_pages(x, slot_mapping, pages, page_scale, spans)
+            slots[slot_mapping] = quantize_fp8(x, page_scale[pages][:, None, None])
+
+    def _open_pages(
+        self,
+        x: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        pages: torch.Tensor,
+        page_scale: torch.Tensor,
+        spans: WriteSpans | None,
+    ) -> None:
+        """Set the dynamic scale of every page this write opens (writes slot 0 of)."""
+        opens = slot_mapping % self.page_size == 0
+        token_amax = x.detach().abs().amax(dim=(1, 2)).float()
+        if spans is None:
+            token_seq = torch.zeros_like(slot_mapping)
+            prev_page = torch.full((1,), -1, dtype=torch.long, device=slot_mapping.device)
+        else:
+            token_seq, prev_page = spans.token_seq, spans.prev_page
+        seq_amax = torch.zeros(len(prev_page), dtype=SCALE_DTYPE, device=x.device)
+        seq_amax.scatter_reduce_(0, token_seq, token_amax, "amax")
+        inherited = torch.where(prev_page >= 0, page_scale[prev_page.clamp_min(0)], 0.0)
+        seq_scale = torch.maximum(inherited, fp8_scale_pow2(seq_amax))
+        page_scale[pages[opens]] = seq_scale[token_seq[opens]]
+
+
+def _per_page(layer_scales: tuple[float, ...], num_pages: int, device: torch.device | str) -> torch.Tensor:
+    """[layers, pages] scales, every page of a layer starting at that layer's scale."""
+    return torch.tensor(layer_scales, dtype=SCALE_DTYPE, device=device)[:, None].repeat(1, num_pages)
