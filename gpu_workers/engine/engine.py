@@ -27,10 +27,11 @@ from gpu_workers.engine.runner import ModelRunner
 from gpu_workers.engine.sampling import sample
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Sequence, Status
-from gpu_workers.kv import KVCache
+from gpu_workers.kv import KVCache, transfer
 from gpu_workers.kv.integrity import IntegrityTracker
 from gpu_workers.kv.manager import PageManager
 from gpu_workers.kv.prefix_cache import PrefixCache, tenant_salt
+from gpu_workers.kv.transfer import KV_FORMATS, KVBlock
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +103,20 @@ class Engine:
         request_id: str | None = None,
         tenant: str | None = None,
         on_event: Callable[[StreamEvent], None] | None = None,
+        export_kv: str | None = None,
+        kv_import: KVBlock | None = None,
     ) -> str:
         """Queue a request; returns its id. A bad request finishes at once with finish_reason "error".
 
         ``tenant`` scopes the prefix cache: only requests of the same tenant share cached pages.
+        ``export_kv`` (a KV format name) makes the finished request carry its prompt's KV as a KVBlock
+        (``RequestOutput.kv`` / the final event's ``kv``); ``kv_import`` starts a request from such a
+        block instead of computing those tokens: the prefill → decode hand-off.
         """
-        return self._add(prompt, params or SamplingParams(), request_id, on_event, tenant).request_id
+        seq = self._add(
+            prompt, params or SamplingParams(), request_id, on_event, tenant, export_kv, kv_import
+        )
+        return seq.request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if it is unknown or already finished."""
@@ -191,6 +200,10 @@ class Engine:
             events = self._verify_integrity(batch) if self.config.integrity_check else []
             if not batch:
                 return events
+            for seq in batch.seqs:
+                if seq.kv_import is not None:
+                    transfer.import_kv(self.cache, seq.table.pages, seq.kv_import)
+                    seq.kv_import = None
             try:
                 rows, logits = self.runner.run(batch)
             except Exception as exc:  # a failed forward ends its batch, never the engine
@@ -290,7 +303,14 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------------
 
     def _add(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None, on_event, tenant: str | None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        on_event,
+        tenant: str | None,
+        export_kv: str | None = None,
+        kv_import: KVBlock | None = None,
     ) -> Sequence:
         request_id = request_id or uuid.uuid4().hex
         with self._lock:
@@ -305,6 +325,16 @@ class Engine:
                 seq.max_tokens = self._max_tokens(len(seq.prompt_ids), params)
                 if params.stop and self.tokenizer is None:
                     raise InvalidRequest("no_tokenizer", "stop strings need a tokenizer; use stop_token_ids")
+                if export_kv is not None and export_kv not in KV_FORMATS:
+                    raise InvalidRequest(
+                        "invalid_kv_format", f"export_kv must be one of {sorted(KV_FORMATS)}"
+                    )
+                if kv_import is not None and not 0 < kv_import.num_tokens < len(seq.prompt_ids):
+                    raise InvalidRequest(
+                        "invalid_kv_import",
+                        f"an imported KV block must cover fewer tokens than the prompt ({len(seq.prompt_ids)}), "
+                        f"got {kv_import.num_tokens}",
+                    )
             except InvalidRequest as exc:
                 seq.status = Status.FINISHED
                 seq.finish_reason = "error"
@@ -312,6 +342,7 @@ class Engine:
                 seq.emit([], "")
                 return seq
             seq.table.salt = tenant_salt(self._salt_secret, tenant)
+            seq.export_kv, seq.kv_import = export_kv, kv_import
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed)
             if self.tokenizer is not None:
@@ -398,6 +429,8 @@ class Engine:
         return seq.emit([token], text)
 
     def _finish(self, seq: Sequence, reason: str, error: RequestError | None = None) -> None:
+        if seq.export_kv is not None and reason in ("stop", "length"):
+            seq.kv = transfer.export_kv(self.cache, seq.table.pages, seq.num_computed, seq.export_kv)
         seq.finish_reason = reason
         seq.error = error
         self.scheduler.finish(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,6 +111,7 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int = 0
     error: RequestError | None = None
+    kv: Any = None  # KVBlock of the prompt when the request asked for export_kv (prefill → decode)
 
     @property
     def finished(self) -> bool:
@@ -136,3 +138,4 @@ class StreamEvent:
     text: str
     finish_reason: str | None = None
     error: RequestError | None = None
+    kv: Any = None  # on the final event of an export_kv request: its KVBlock

@@ -60,7 +60,10 @@ class Scheduler:
             # Room for the whole known sequence plus its next token, so a new prompt does not preempt
             # older requests as soon as it starts decoding.
             tokens = seq.tokens(0, seq.num_tokens)
-            seq.num_computed = self.pages.match_prefix(seq.table, tokens, seq.num_tokens + 1)
+            if seq.kv_import is not None:
+                seq.num_computed = seq.imported_tokens  # the engine writes them before the step runs
+            else:
+                seq.num_computed = self.pages.match_prefix(seq.table, tokens, seq.num_tokens + 1)
             if not self.pages.can_grow(seq.table, seq.num_tokens + 1):
                 break
             self.waiting.popleft()

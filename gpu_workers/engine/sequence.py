@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,13 @@ class Sequence:
     error: RequestError | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
+    export_kv: str | None = None  # KV format to export the prompt's KV in when the request finishes
+    kv_import: Any = None  # KVBlock to load into the first pages at admission, instead of computing
+    kv: Any = None  # the exported KVBlock
+
+    @property
+    def imported_tokens(self) -> int:
+        return self.kv_import.num_tokens if self.kv_import is not None else 0
 
     @property
     def num_tokens(self) -> int:
@@ -61,10 +69,11 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             cached_tokens=self.cached_tokens,
             error=self.error,
+            kv=self.kv,
         )
 
     def emit(self, token_ids: list[int], text: str) -> StreamEvent:
-        event = StreamEvent(self.request_id, token_ids, text, self.finish_reason, self.error)
+        event = StreamEvent(self.request_id, token_ids, text, self.finish_reason, self.error, self.kv)
         if self.on_event is not None:
             self.on_event(event)
         return event
