@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from rich.progress import Progress
 from safetensors import safe_open
 from torch import nn
@@ -68,7 +69,8 @@ def safetensors_files(path: Path) -> list[Path]:
 def _load_weights(model: nn.Module, files: list[Path], progress: bool) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    with Progress(disable=not progress, transient=True) as bar:
+    # stderr, so that machine-readable stdout (``--json``) stays clean while a checkpoint loads.
+    with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
         task = bar.add_task("Loading weights", total=len(files))
         for file in files:
             bar.update(task, description=f"Loading {file.name}")
