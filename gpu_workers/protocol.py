@@ -21,6 +21,7 @@ HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 10.0  # a worker not seen for this long is dead to the router
 STREAM_TTL_S = 600  # token streams expire after this, read or not
 HANDOFF_TTL_S = 120  # KV hand-off blobs expire if no decode worker imports them
+STREAM_FIELD = "event"  # each stream entry holds one Event as JSON under this field
 
 
 def pool_queue(deployment: str, pool: str) -> str:
@@ -81,6 +82,23 @@ class Sampling(Message):
 
 
 @dataclass
+class KVHandoff(Message):
+    """Header of a KV hand-off: which tokens' KV the blob holds, in which format and layout."""
+
+    request_id: str
+    kv_format: str  # the decode pool's format: bf16 | fp8_e4m3 | ...
+    num_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    first_token: int
+    cached_tokens: int
+    transport: str = "redis"  # redis | shm
+    location: str = ""  # Redis key or shared-memory name
+    nbytes: int = 0  # size of the serialized blob (shared memory segments are rounded up to pages)
+
+
+@dataclass
 class GenerateTask(Message):
     """What the gateway queues for one request (and what prefill passes on to decode)."""
 
@@ -91,8 +109,9 @@ class GenerateTask(Message):
     sampling: Sampling
     deadline: float  # unix time; a worker drops the request after it
     decode_queue: str | None = None  # disaggregated: the decode queue prefill hands the request to
+    handoff: KVHandoff | None = None  # set by prefill on the TASK_DECODE it sends: where the KV blob is
 
-    _nested: ClassVar[dict[str, type[Message]]] = {"sampling": Sampling}
+    _nested: ClassVar[dict[str, type[Message]]] = {"sampling": Sampling, "handoff": KVHandoff}
 
 
 @dataclass
@@ -116,22 +135,6 @@ class Event(Message):
 
 
 @dataclass
-class KVHandoff(Message):
-    """Header of a KV hand-off: which tokens' KV the blob holds, in which format and layout."""
-
-    request_id: str
-    kv_format: str  # the decode pool's format: bf16 | fp8_e4m3 | ...
-    num_tokens: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    first_token: int
-    cached_tokens: int
-    transport: str = "redis"  # redis | shm
-    location: str = ""  # Redis key or shared-memory name
-
-
-@dataclass
 class WorkerInfo(Message):
     worker_id: str
     deployment: str
@@ -144,6 +147,12 @@ class WorkerInfo(Message):
     kv_pages_used: int = 0
     running: int = 0
     waiting: int = 0
+    inflight: int = 0  # tasks this worker is serving now (running + waiting in its engine)
+    kv_format: str = ""  # the engine's KV element type, e.g. bf16 | fp8_e4m3
+    integrity_mismatches: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    generated_tokens: int = 0
 
 
 @dataclass

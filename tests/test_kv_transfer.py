@@ -91,3 +91,16 @@ def test_a_block_that_covers_the_whole_prompt_is_rejected(tiny_llama_dir):
     out = []
     engine.add_request([3] * 5, PARAMS, kv_import=block, on_event=out.append)
     assert out[-1].finish_reason == "error" and out[-1].error.code == "invalid_kv_import"
+
+
+def test_a_block_for_another_model_fails_only_its_request(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    wrong = KVBlock("fp32", 4, torch.zeros(2, 4, 3, 16), torch.zeros(2, 4, 3, 16))  # 3 KV heads, not 2
+    bad, good = [], []
+    engine.add_request([3] * 6, PARAMS, kv_import=wrong, on_event=bad.append)
+    engine.add_request(prompt(), PARAMS, on_event=good.append)
+    while engine.has_unfinished():
+        engine.step()
+    assert bad[-1].error.code == "invalid_kv_import"
+    assert good[-1].finish_reason == "length"
+    assert engine.stats()["kv_pages_used"] == 0

@@ -200,10 +200,9 @@ class Engine:
             events = self._verify_integrity(batch) if self.config.integrity_check else []
             if not batch:
                 return events
-            for seq in batch.seqs:
-                if seq.kv_import is not None:
-                    transfer.import_kv(self.cache, seq.table.pages, seq.kv_import)
-                    seq.kv_import = None
+            events += self._import_kv(batch)
+            if not batch:
+                return events
             try:
                 rows, logits = self.runner.run(batch)
             except Exception as exc:  # a failed forward ends its batch, never the engine
@@ -227,6 +226,22 @@ class Engine:
             self._counters["generated_tokens"] += len(tokens)
             self._work.notify_all()
             return events
+
+    def _import_kv(self, batch) -> list[StreamEvent]:
+        """Load handed-off KV into newly admitted sequences' pages; a block that does not fit fails its request."""
+        events = []
+        for row in range(len(batch.seqs) - 1, -1, -1):
+            seq = batch.seqs[row]
+            if seq.kv_import is None:
+                continue
+            block, seq.kv_import = seq.kv_import, None
+            try:
+                transfer.import_kv(self.cache, seq.table.pages, block)
+            except (ValueError, RuntimeError, KeyError) as exc:
+                del batch.seqs[row], batch.num_new_tokens[row]
+                self._finish(seq, "error", RequestError("invalid_kv_import", f"could not import KV: {exc}"))
+                events.append(seq.emit([], ""))
+        return events
 
     def _verify_integrity(self, batch) -> list[StreamEvent]:
         """One batched check of every page the step will read; abort only the sequences that fail it."""

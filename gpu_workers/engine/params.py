@@ -139,3 +139,5 @@ class StreamEvent:
     finish_reason: str | None = None
     error: RequestError | None = None
     kv: Any = None  # on the final event of an export_kv request: its KVBlock
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once admitted)

@@ -73,7 +73,16 @@ class Sequence:
         )
 
     def emit(self, token_ids: list[int], text: str) -> StreamEvent:
-        event = StreamEvent(self.request_id, token_ids, text, self.finish_reason, self.error, self.kv)
+        event = StreamEvent(
+            self.request_id,
+            token_ids,
+            text,
+            self.finish_reason,
+            self.error,
+            self.kv,
+            len(self.prompt_ids),
+            self.cached_tokens,
+        )
         if self.on_event is not None:
             self.on_event(event)
         return event

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera import bench_kv, cli_kv
+from tessera import bench_kv, cli_admin, cli_kv
 
 
 class CliError(Exception):
@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.set_defaults(func=cmd_bench_engine)
     bench_kv.add_commands(benches)
     cli_kv.add_commands(commands)
+    cli_admin.add_commands(commands)
     return parser
 
 

@@ -1,0 +1,62 @@
+"""The requests a worker is serving, mirrored to Redis so that a peer can finish them if the worker dies."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import redis
+
+from gpu_workers.pools.stream import LEASE_TTL_MS, lease_key
+from gpu_workers.protocol import STREAM_TTL_S
+
+
+def inflight_key(worker_id: str) -> str:
+    """Redis hash: request id -> {"task": task name, "payload": GenerateTask JSON}."""
+    return f"tessera:inflight:{worker_id}"
+
+
+class Inflight:
+    def __init__(self, client: redis.Redis, worker_id: str):
+        self.client = client
+        self.key = inflight_key(worker_id)
+        self._requests: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request_id: str, task_name: str, payload: str) -> None:
+        with self._lock:
+            self._requests.add(request_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.key, request_id, json.dumps({"task": task_name, "payload": payload}))
+        pipe.expire(self.key, STREAM_TTL_S)  # past this the streams are gone: nothing left to recover
+        pipe.execute()
+
+    def remove(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.discard(request_id)
+        self.client.hdel(self.key, request_id)
+
+    def renew(self) -> None:
+        """Keep this worker's leases (and the registry) alive; called every heartbeat."""
+        with self._lock:
+            requests = list(self._requests)
+        if not requests:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in requests:
+            pipe.pexpire(lease_key(request_id), LEASE_TTL_MS)
+        pipe.expire(self.key, STREAM_TTL_S)
+        pipe.execute()
+
+
+def take_orphans(client: redis.Redis, worker_id: str) -> list[tuple[str, str]]:
+    """A dead worker's in-flight (task name, payload) pairs; removes them so only one peer gets them."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(inflight_key(worker_id))
+    pipe.delete(inflight_key(worker_id))
+    entries, _ = pipe.execute()
+    orphans = [json.loads(raw) for raw in entries.values()]
+    return [(o["task"], o["payload"]) for o in orphans]

@@ -1,0 +1,391 @@
+"""The Celery tasks of a worker: run one request on the worker's engine and stream it to Redis.
+
+Each task takes one ``GenerateTask`` JSON string and blocks its thread until the request is done, while the
+engine batches it with every other running task. ``serve`` does the whole request; ``prefill`` computes the
+prompt, streams the first token and hands the KV off to ``decode``, which continues the stream.
+
+A task polls ``cancel_key`` (the gateway sets it when the client goes away) and the task's deadline; either
+aborts the request in the engine, which frees its pages at once.
+
+Redelivery and dead workers (acks_late): an attempt first takes the request's lease (``stream``), so two
+live attempts never run at once (decode takes it over from the prefill worker that sent it). Then it
+looks at the stream. Already finished: skip. Holding more than this
+phase started with (decode starts after prefill's one token event): an earlier attempt died mid-stream,
+and replaying would duplicate tokens the client has seen, so publish an ``error`` event with code
+``worker_lost`` for the client to retry. Nothing yet: run; a clean retry. When a worker's heartbeat goes
+stale, a live peer of its pool recovers its in-flight requests by the same rule (re-queue or fail) and
+re-queues the tasks waiting in its worker queue; so a reader never waits past a worker's death by more than
+``HEARTBEAT_TTL_S`` plus one heartbeat, as long as one worker of the pool lives. Usage is counted once: only
+the terminal event carries it, and the lease lets exactly one attempt write a terminal event.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import asdict, dataclass, replace
+
+import redis
+from celery import Celery
+
+from gpu_workers.engine import Engine, SamplingParams, StreamEvent
+from gpu_workers.kv.transfer import KVBlock
+from gpu_workers.pools.handoff import HandoffMissing, HandoffStore, colocated_decode
+from gpu_workers.pools.inflight import Inflight, take_orphans
+from gpu_workers.pools.stream import LeaseLost, RequestStream
+from gpu_workers.protocol import (
+    TASK_DECODE,
+    TASK_PREFILL,
+    TASK_SERVE,
+    Event,
+    GenerateTask,
+    KVHandoff,
+    Sampling,
+    Usage,
+    cancel_key,
+    pool_queue,
+    worker_queue,
+)
+
+log = logging.getLogger(__name__)
+
+TASK_OF_POOL = {"serve": TASK_SERVE, "prefill": TASK_PREFILL, "decode": TASK_DECODE}
+POOL_OF_TASK = {task: pool for pool, task in TASK_OF_POOL.items()}
+POLL_S = 0.05  # longest wait for engine events before looking at the cancel key and the deadline again
+CHECK_S = 0.1  # between two reads of the cancel key
+
+
+@dataclass
+class Outcome:
+    final: StreamEvent  # the engine's last event for the request
+    completion_tokens: int
+    deadline_exceeded: bool
+
+
+def sampling_params(sampling: Sampling, max_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+def error_event(code: str, message: str, usage: Usage | None = None) -> Event:
+    return Event(
+        "error", error={"code": code, "message": message}, usage=None if usage is None else asdict(usage)
+    )
+
+
+def worker_lost(usage: Usage | None = None) -> Event:
+    return error_event(
+        "worker_lost",
+        "the worker serving this request stopped after streaming part of the output; retry the request",
+        usage,
+    )
+
+
+class TaskRunner:
+    """Runs this worker's tasks on its engine. ``export_kv`` (prefill) is the decode pool's KV format."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        client: redis.Redis,
+        app: Celery,
+        *,
+        worker_id: str,
+        pool: str,
+        host: str,
+        handoff: HandoffStore | None = None,
+        handoff_transport: str = "auto",
+        export_kv: str | None = None,
+    ):
+        if pool == "prefill" and export_kv is None:
+            raise ValueError("a prefill worker needs export_kv: the decode pool's KV format")
+        self.engine = engine
+        self.client = client
+        self.app = app
+        self.worker_id = worker_id
+        self.pool = pool
+        self.host = host
+        self.handoff = handoff or HandoffStore(client)
+        self.handoff_transport = handoff_transport
+        self.export_kv = export_kv
+        self.inflight = Inflight(client, worker_id)
+
+    def register(self) -> None:
+        """Register this pool's task on the app, by its protocol name."""
+        name = TASK_OF_POOL[self.pool]
+
+        def run(payload: str) -> None:
+            self.run(name, payload)
+
+        self.app.task(name=name, ignore_result=True)(run)
+
+    # -- one attempt ---------------------------------------------------------------------------------
+
+    def run(self, name: str, payload: str) -> None:
+        task = GenerateTask.from_json(payload)
+        stream = RequestStream(self.client, task.request_id, self.worker_id)
+        state = stream.state()
+        if state.finished:
+            log.info("request %s already finished; dropping a redelivered %s", task.request_id, name)
+            return
+        # Decode takes the lease over from the prefill worker that wrote the first (and only) token:
+        # prefill holds it until the decode task is sent, so a failed send can still be reported.
+        handed_over_by = state.last.worker_id if name == TASK_DECODE and state.events == 1 else None
+        if not stream.claim(handed_over_by):
+            log.info("request %s is being served by another attempt; dropping this %s", task.request_id, name)
+            return
+        try:
+            state = stream.state()
+            if state.finished:
+                return
+            if state.events > (1 if name == TASK_DECODE else 0):
+                log.warning("request %s was cut off mid-stream by a dead worker; failing it", task.request_id)
+                stream.publish(worker_lost())
+                return
+            self.inflight.add(task.request_id, name, payload)
+            try:
+                {TASK_SERVE: self._serve, TASK_PREFILL: self._prefill, TASK_DECODE: self._decode}[name](
+                    task, stream
+                )
+            finally:
+                self.inflight.remove(task.request_id)
+        except LeaseLost:
+            log.warning("request %s was taken over by another attempt; stopped this one", task.request_id)
+        except Exception as exc:
+            log.exception("%s of request %s failed", name, task.request_id)
+            try:
+                stream.publish(
+                    error_event("internal_error", f"the worker failed serving this request: {exc}")
+                )
+            except Exception:
+                log.exception("could not report the failure of request %s", task.request_id)
+        finally:
+            stream.release()
+
+    def _serve(self, task: GenerateTask, stream: RequestStream) -> None:
+        usage = Usage(prompt_tokens=len(task.prompt_ids))
+        if not self._admit(task, stream, usage):
+            return
+        outcome = self._generate(task, stream, task.prompt_ids, sampling_params(task.sampling))
+        usage.cached_tokens = outcome.final.cached_tokens
+        usage.completion_tokens = outcome.completion_tokens
+        stream.publish(self._terminal(outcome, usage))
+
+    def _prefill(self, task: GenerateTask, stream: RequestStream) -> None:
+        usage = Usage(prompt_tokens=len(task.prompt_ids))
+        if not self._admit(task, stream, usage):
+            return
+        params = sampling_params(task.sampling, max_tokens=1)
+        outcome = self._generate(task, stream, task.prompt_ids, params, export_kv=self.export_kv)
+        final = outcome.final
+        usage.cached_tokens = final.cached_tokens
+        usage.completion_tokens = outcome.completion_tokens
+        if final.finish_reason != "length" or task.sampling.max_tokens <= 1:
+            stream.publish(self._terminal(outcome, usage))  # done in one token (EOS, stop), or failed
+            return
+        block: KVBlock = final.kv
+        decode_queue = task.decode_queue or pool_queue(task.deployment, "decode")
+        header = KVHandoff(
+            request_id=task.request_id,
+            kv_format=block.kv_format,
+            num_tokens=block.num_tokens,
+            num_layers=block.k.shape[0],
+            num_kv_heads=block.k.shape[2],
+            head_dim=block.k.shape[3],
+            first_token=final.token_ids[-1],
+            cached_tokens=usage.cached_tokens,
+        )
+        header = self.handoff.put(header, block.tensors(), self._transport(task.deployment, decode_queue))
+        log.info(
+            "request %s: handing KV of %d tokens to %s via %s %s (%d bytes)",
+            task.request_id,
+            header.num_tokens,
+            decode_queue,
+            header.transport,
+            header.location,
+            header.nbytes,
+        )
+        decode = replace(task, decode_queue=decode_queue, handoff=header)
+        try:
+            self.app.send_task(TASK_DECODE, args=[decode.to_json()], queue=decode_queue)
+        except Exception:
+            self.handoff.discard(header)
+            raise
+
+    def _decode(self, task: GenerateTask, stream: RequestStream) -> None:
+        header = task.handoff
+        if header is None:
+            stream.publish(
+                error_event("invalid_task", "a decode task needs the KV hand-off header from prefill")
+            )
+            return
+        usage = Usage(len(task.prompt_ids), header.cached_tokens, completion_tokens=1)
+        if not self._admit(task, stream, usage):
+            self.handoff.discard(header)
+            return
+        block = self._take_kv(header)
+        params = sampling_params(task.sampling, max_tokens=task.sampling.max_tokens - 1)
+        prompt = task.prompt_ids + [header.first_token]
+        outcome = self._generate(task, stream, prompt, params, kv_import=block)
+        usage.completion_tokens += outcome.completion_tokens
+        stream.publish(self._terminal(outcome, usage))
+
+    def _take_kv(self, header: KVHandoff) -> KVBlock | None:
+        """The prompt's KV from prefill; None (the engine recomputes the prompt) if it cannot be used."""
+        try:
+            tensors = self.handoff.take(header)
+        except HandoffMissing as exc:
+            log.warning("request %s: %s; recomputing its prompt", header.request_id, exc)
+            return None
+        block = KVBlock.from_tensors(header.kv_format, tensors)
+        spec = self.engine.model.kv_spec
+        expected = (spec.num_layers, header.num_tokens, spec.num_kv_heads, spec.head_dim)
+        if tuple(block.k.shape) != expected or block.v.shape != block.k.shape:
+            # Importing runs inside the engine's step: a block that does not fit must never get there.
+            log.error(
+                "request %s: KV hand-off of shape %s, expected %s (layers, tokens, KV heads, head dim); "
+                "do prefill and decode serve the same checkpoint? recomputing the prompt",
+                header.request_id,
+                tuple(block.k.shape),
+                expected,
+            )
+            return None
+        log.info(
+            "request %s: imported KV of %d tokens (%s) via %s %s",
+            header.request_id,
+            header.num_tokens,
+            header.kv_format,
+            header.transport,
+            header.location,
+        )
+        return block
+
+    def _transport(self, deployment: str, decode_queue: str) -> str:
+        if self.handoff_transport != "auto":
+            return self.handoff_transport
+        return "shm" if colocated_decode(self.client, deployment, decode_queue, self.host) else "redis"
+
+    # -- the engine side -----------------------------------------------------------------------------
+
+    def _admit(self, task: GenerateTask, stream: RequestStream, usage: Usage) -> bool:
+        """False (after publishing why) if the request was cancelled or is past its deadline already."""
+        if self.client.exists(cancel_key(task.request_id)):
+            stream.publish(Event("final", finish_reason="abort", usage=asdict(usage)))
+            return False
+        if time.time() >= task.deadline:
+            stream.publish(self._deadline_error(task, usage))
+            return False
+        return True
+
+    def _generate(
+        self, task: GenerateTask, stream: RequestStream, prompt: list[int], params: SamplingParams, **kv
+    ) -> Outcome:
+        """Run the request on the engine, streaming its tokens, until it finishes, is cancelled or expires."""
+        events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+        request_id = task.request_id
+        self.engine.add_request(
+            prompt, params, request_id=request_id, tenant=task.tenant, on_event=events.put, **kv
+        )
+        completion, deadline_exceeded, next_check = 0, False, 0.0
+        try:
+            while True:
+                batch = _drain(events)
+                final = next((e for e in batch if e.finish_reason is not None), None)
+                completion += sum(len(e.token_ids) for e in batch)
+                stream.publish(
+                    *(
+                        Event("token", token_ids=e.token_ids, text=e.text)
+                        for e in batch
+                        if e.token_ids or e.text
+                    )
+                )
+                if final is not None:
+                    return Outcome(final, completion, deadline_exceeded)
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + CHECK_S
+                    if time.time() >= task.deadline:
+                        deadline_exceeded = True
+                        self.engine.abort(request_id)
+                    elif self.client.exists(cancel_key(request_id)):
+                        self.engine.abort(request_id)
+        except BaseException:
+            self.engine.abort(request_id)  # whatever stopped us, the pages go back now
+            raise
+
+    def _terminal(self, outcome: Outcome, usage: Usage) -> Event:
+        final = outcome.final
+        if final.finish_reason == "error":
+            error = final.error
+            return error_event(error.code, error.message, usage)
+        if final.finish_reason == "abort" and outcome.deadline_exceeded:
+            return self._deadline_error(None, usage)
+        return Event("final", finish_reason=final.finish_reason, usage=asdict(usage))
+
+    @staticmethod
+    def _deadline_error(task: GenerateTask | None, usage: Usage) -> Event:
+        where = "before a worker could start it" if task is not None else "while it was running"
+        return error_event(
+            "deadline_exceeded",
+            f"the request passed its deadline {where}; retry with a longer timeout",
+            usage,
+        )
+
+    # -- recovering a dead peer ----------------------------------------------------------------------
+
+    def recover(self, dead_worker_id: str) -> None:
+        """Finish what a dead worker of this pool left: its in-flight requests and its queued tasks."""
+        for name, payload in take_orphans(self.client, dead_worker_id):
+            task = GenerateTask.from_json(payload)
+            stream = RequestStream(self.client, task.request_id, self.worker_id)
+            if not stream.claim(previous_owner=dead_worker_id):
+                continue  # a live attempt serves it (say, decode after the dead prefill handed over)
+            try:
+                state = stream.state()
+                if state.finished:
+                    continue
+                if state.events <= (1 if name == TASK_DECODE else 0) and time.time() < task.deadline:
+                    log.warning("re-queueing request %s of dead worker %s", task.request_id, dead_worker_id)
+                    stream.release()
+                    self.app.send_task(
+                        name, args=[payload], queue=pool_queue(task.deployment, POOL_OF_TASK[name])
+                    )
+                else:
+                    log.warning("failing request %s of dead worker %s", task.request_id, dead_worker_id)
+                    stream.publish(worker_lost())
+            finally:
+                stream.release()
+        self._requeue_worker_queue(dead_worker_id)
+
+    def _requeue_worker_queue(self, dead_worker_id: str) -> None:
+        """Move the tasks waiting in a dead worker's own queue to its pool's queue."""
+        pool_q = None
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            while (message := channel.basic_get(worker_queue(dead_worker_id), no_ack=True)) is not None:
+                name = message.headers["task"]
+                args, kwargs, _ = message.decode()
+                pool_q = pool_q or pool_queue(GenerateTask.from_json(args[0]).deployment, self.pool)
+                self.app.send_task(name, args=args, kwargs=kwargs, queue=pool_q)
+
+
+def _drain(events: queue.SimpleQueue[StreamEvent]) -> list[StreamEvent]:
+    """Every event waiting now, after waiting up to POLL_S for the first."""
+    try:
+        batch = [events.get(timeout=POLL_S)]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            batch.append(events.get_nowait())
+        except queue.Empty:
+            return batch

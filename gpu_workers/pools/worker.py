@@ -1,0 +1,174 @@
+"""A worker process: one engine for one (deployment, pool), fed by a Celery thread pool, heartbeating into Redis.
+
+``run_worker`` is what ``tessera worker`` calls; ``python -m gpu_workers.pools.worker`` runs it standalone
+(the prefix-cache secret comes from the environment, never the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+
+from gpu_workers.engine import Engine, EngineConfig
+from gpu_workers.kv.transfer import kv_format_name
+from gpu_workers.pools.app import connect_redis, make_app
+from gpu_workers.pools.handoff import HandoffStore
+from gpu_workers.pools.heartbeat import Heartbeat
+from gpu_workers.pools.tasks import TaskRunner
+from gpu_workers.protocol import POOLS, DeploymentSpec, WorkerInfo, worker_queue
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "TESSERA_PREFIX_CACHE_SECRET"
+
+
+def engine_config(spec: DeploymentSpec, pool: str, secret: bytes, device: str = "cpu") -> EngineConfig:
+    """The engine a pool runs: decode stores the decode KV format, serve and prefill the prefill one."""
+    return EngineConfig(
+        dtype=spec.dtype,
+        kv_budget_bytes=spec.kv_budget_bytes,
+        page_size=spec.page_size,
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len,
+        device=device,
+        kv_cache_dtype=spec.decode_kv if pool == "decode" else spec.prefill_kv,
+        integrity_check=spec.integrity_check,
+        prefix_cache=spec.prefix_cache,
+        prefix_cache_secret=secret,
+    )
+
+
+def default_worker_id(pool: str) -> str:
+    return f"{pool}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def run_worker(
+    spec: DeploymentSpec,
+    pool: str,
+    redis_url: str,
+    secret: bytes,
+    worker_id: str | None = None,
+    threads: int = 8,
+    handoff: str = "auto",
+    device: str | None = None,
+    loglevel: str = "INFO",
+) -> None:
+    """Serve ``spec``'s ``pool`` until the process is told to stop (SIGTERM/SIGINT: finish running tasks).
+
+    ``threads`` bounds the requests this worker serves at once (each task holds a thread until its request
+    ends), so it should be close to ``spec.max_num_seqs``. ``handoff`` (prefill): ``auto`` uses shared
+    memory when every decode worker is on this host, else Redis; ``redis`` or ``shm`` force one.
+    """
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if handoff not in ("auto", "redis", "shm"):
+        raise ValueError(f"handoff must be auto, redis or shm, got {handoff!r}")
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    worker_id = worker_id or default_worker_id(pool)
+    host = socket.gethostname()
+    client = connect_redis(redis_url)
+    config = engine_config(spec, pool, secret, device)
+    engine = Engine.from_pretrained(spec.checkpoint, config)
+    app = make_app(redis_url)
+    store = HandoffStore(client)
+    decode_format = engine_config(spec, "decode", secret).kv_dtype if pool == "prefill" else None
+    runner = TaskRunner(
+        engine,
+        client,
+        app,
+        worker_id=worker_id,
+        pool=pool,
+        host=host,
+        handoff=store,
+        handoff_transport=handoff,
+        export_kv=kv_format_name(decode_format) if decode_format is not None else None,
+    )
+    runner.register()
+    kv_format = kv_format_name(config.kv_dtype)
+
+    def info() -> WorkerInfo:
+        stats = engine.stats()
+        return WorkerInfo(
+            worker_id=worker_id,
+            deployment=spec.name,
+            pool=pool,
+            queue=worker_queue(worker_id),
+            host=host,
+            pid=os.getpid(),
+            last_seen=time.time(),
+            kv_pages_total=stats["kv_pages_total"],
+            kv_pages_used=stats["kv_pages_used"],
+            running=stats["running"],
+            waiting=stats["waiting"],
+            inflight=len(runner.inflight),
+            kv_format=kv_format,
+            integrity_mismatches=stats["integrity_mismatches"],
+            prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
+            prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
+            generated_tokens=stats["generated_tokens"],
+        )
+
+    def upkeep() -> None:
+        runner.inflight.renew()
+        store.sweep()
+
+    heartbeat = Heartbeat(client, info, on_tick=upkeep, on_dead_peer=runner.recover)
+    engine.start()
+    heartbeat.start()
+    log.info("worker %s serving %s/%s on %s (%s KV)", worker_id, spec.name, pool, device, kv_format)
+    try:
+        app.Worker(
+            hostname=f"{worker_id}@{host}",
+            queues=[spec.queue(pool), worker_queue(worker_id)],
+            pool="threads",
+            concurrency=threads,
+            loglevel=loglevel,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+            quiet=True,
+        ).start()
+    finally:
+        heartbeat.stop()
+        engine.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_workers.pools.worker", description=__doc__)
+    parser.add_argument("--spec-json", required=True, help="the DeploymentSpec as JSON")
+    parser.add_argument("--pool", required=True, choices=POOLS)
+    parser.add_argument("--redis-url", required=True, help="redis://host:port/db or redis+socket:///path")
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--handoff", default="auto", choices=("auto", "redis", "shm"))
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--loglevel", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        print(f"error: set {SECRET_ENV} to the deployment's prefix-cache secret", file=sys.stderr)
+        return 2
+    run_worker(
+        DeploymentSpec.from_json(args.spec_json),
+        args.pool,
+        args.redis_url,
+        secret.encode(),
+        worker_id=args.worker_id,
+        threads=args.threads,
+        handoff=args.handoff,
+        device=args.device,
+        loglevel=args.loglevel,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The control plane's tables: tenants, API keys, deployments (with their audit log) and request records.
+
+The schema is created by Alembic (``migrations/``); tests prove these models and the migrations agree.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from gpu_workers.protocol import DeploymentSpec
+
+# Stable constraint names, so migrations can drop and alter them identically on SQLite and PostgreSQL.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SCOPE_INFERENCE = "inference"
+SCOPE_ADMIN = "admin"
+SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN)
+
+REQUEST_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
+FINAL_STATUSES = ("completed", "failed", "cancelled")  # a record in one of these never changes again
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every database (SQLite keeps no zone: it stores naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware one (e.g. datetime.now(timezone.utc))")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    disabled: Mapped[bool] = mapped_column(default=False)
+
+    def __repr__(self) -> str:
+        return f"Tenant(name={self.name!r}, id={self.id!r}, disabled={self.disabled})"
+
+
+class ApiKey(Base):
+    """A tenant's API key: ``tsk_<prefix>_<secret>``; only the prefix and a salted hash are stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16), unique=True, index=True)
+    hash: Mapped[str] = mapped_column(String(64))  # hex SHA-256 of salt + key (see tessera.auth)
+    salt: Mapped[str] = mapped_column(String(32))  # hex, random per key
+    scopes: Mapped[str] = mapped_column(String(200), default=SCOPE_INFERENCE)  # comma-separated
+    name: Mapped[str] = mapped_column(String(100), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+    last_used_at: Mapped[datetime | None]
+
+    tenant: Mapped[Tenant] = relationship()
+
+    @property
+    def scope_list(self) -> list[str]:
+        return [s for s in self.scopes.split(",") if s]
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scope_list
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def __repr__(self) -> str:
+        return f"ApiKey(prefix={self.prefix!r}, tenant_id={self.tenant_id!r}, scopes={self.scopes!r})"
+
+
+class Deployment(Base):
+    """A model tenants can call and how its worker pools serve it. Validated by ``tessera.tenancy``."""
+
+    __tablename__ = "deployments"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)  # the model id, e.g. "@tessera/demo"
+    checkpoint: Mapped[str] = mapped_column(String(1000))  # checkpoint folder on the worker hosts
+    mode: Mapped[str] = mapped_column(String(20))  # disaggregated | colocated
+    dtype: Mapped[str] = mapped_column(String(20))
+    prefill_kv: Mapped[str] = mapped_column(String(20))  # auto | bf16 | fp8_e4m3
+    decode_kv: Mapped[str] = mapped_column(String(20))
+    prefill_weights: Mapped[str] = mapped_column(String(20))  # bf16 | fp8 | int4
+    decode_weights: Mapped[str] = mapped_column(String(20))
+    page_size: Mapped[int]
+    kv_budget_bytes: Mapped[int] = mapped_column(BigInteger)
+    max_num_seqs: Mapped[int]
+    max_model_len: Mapped[int | None]
+    max_tokens_limit: Mapped[int]  # the most output tokens one request may ask for
+    integrity_check: Mapped[bool]
+    prefix_cache: Mapped[bool]
+    enabled: Mapped[bool] = mapped_column(default=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    def to_spec(self) -> DeploymentSpec:
+        """What a worker needs to serve this deployment (the gateway-only fields stay here)."""
+        return DeploymentSpec(
+            name=self.name,
+            checkpoint=self.checkpoint,
+            mode=self.mode,
+            dtype=self.dtype,
+            prefill_kv=self.prefill_kv,
+            decode_kv=self.decode_kv,
+            prefill_weights=self.prefill_weights,
+            decode_weights=self.decode_weights,
+            page_size=self.page_size,
+            kv_budget_bytes=self.kv_budget_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            integrity_check=self.integrity_check,
+            prefix_cache=self.prefix_cache,
+        )
+
+    def __repr__(self) -> str:
+        return f"Deployment(name={self.name!r}, mode={self.mode!r}, enabled={self.enabled})"
+
+
+class DeploymentAudit(Base):
+    """One change to a deployment: who made it, when, and each field's old and new value."""
+
+    __tablename__ = "deployment_audit"
+    __table_args__ = (Index("ix_deployment_audit_deployment_created_at", "deployment", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # No foreign key: the audit log outlives the deployment it describes.
+    deployment: Mapped[str] = mapped_column(String(200))
+    actor: Mapped[str] = mapped_column(String(200))  # e.g. "cli:alice" or "key:ab12cd34"
+    action: Mapped[str] = mapped_column(String(20))  # create | update
+    changes: Mapped[dict[str, Any]]  # {field: [old, new]}; old is null on create
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RequestRecord(Base):
+    """One inference request's outcome and token counts; settled once (see ``tenancy.record_request``)."""
+
+    __tablename__ = "request_records"
+    __table_args__ = (Index("ix_request_records_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    # The model id as called; no foreign key, so records outlive a deployment's removal or rename.
+    deployment: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(20))  # one of REQUEST_STATUSES
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    completion_tokens: Mapped[int] = mapped_column(default=0)
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]

