@@ -104,3 +104,20 @@ def test_a_block_for_another_model_fails_only_its_request(tiny_llama_dir):
     assert bad[-1].error.code == "invalid_kv_import"
     assert good[-1].finish_reason == "length"
     assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_seeded_sampling_continues_across_the_handoff(tiny_llama_dir):
+    p = prompt(seed=4)
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+    colocated = make_engine(tiny_llama_dir).generate([p], sampled)[0].token_ids
+    prefill, decode = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir)
+    events = []
+    first = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=1)
+    prefill.add_request(p, first, export_kv="fp32", on_event=events.append)
+    while prefill.has_unfinished():
+        prefill.step()
+    rest = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=9, ignore_eos=True)
+    out = decode.generate(
+        [p + events[-1].token_ids], rest
+    )  # recomputed here; the seed stream is what matters
+    assert events[-1].token_ids + out[0].token_ids == colocated

@@ -24,7 +24,7 @@ from gpu_workers.engine.params import (
     StreamEvent,
 )
 from gpu_workers.engine.runner import ModelRunner
-from gpu_workers.engine.sampling import sample
+from gpu_workers.engine.sampling import position_seed, sample
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Sequence, Status
 from gpu_workers.kv import KVCache, transfer
@@ -220,12 +220,19 @@ class Engine:
             tokens = sample(
                 logits,
                 [s.params for s in sampling],
-                [s.generator or self._default_generator for s in sampling],
+                [self._generator_for(s) for s in sampling],
             )
             events += [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
             self._counters["generated_tokens"] += len(tokens)
             self._work.notify_all()
             return events
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        """A seeded request draws from a generator keyed by (seed, position of the token being sampled),
+        so its tokens do not depend on batching, preemption, or which pool sampled the earlier ones."""
+        if seq.generator is None:
+            return self._default_generator
+        return seq.generator.manual_seed(position_seed(seq.params.seed, seq.num_tokens))
 
     def _import_kv(self, batch) -> list[StreamEvent]:
         """Load handed-off KV into newly admitted sequences' pages; a block that does not fit fails its request."""
@@ -359,7 +366,7 @@ class Engine:
             seq.table.salt = tenant_salt(self._salt_secret, tenant)
             seq.export_kv, seq.kv_import = export_kv, kv_import
             if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed)
+                seq.generator = torch.Generator()
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, stop=params.stop, prompt_ids=seq.prompt_ids

@@ -31,6 +31,14 @@ def sample(
     return tokens
 
 
+def position_seed(seed: int, position: int) -> int:
+    """Mix a request seed and a token position into a generator seed (splitmix64 finaliser)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 1  # manual_seed takes a non-negative 63-bit value
+
+
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
