@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera import bench_kv, cli_admin, cli_kv
+from tessera import bench_kv, cli_admin, cli_kv, cli_serve
 
 
 class CliError(Exception):
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kv.add_commands(benches)
     cli_kv.add_commands(commands)
     cli_admin.add_commands(commands)
+    cli_serve.add_commands(commands)
     return parser
 
 

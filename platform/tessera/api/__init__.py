@@ -1,0 +1,1 @@
+"""The gateway's HTTP routers, request schemas, auth dependency and error handling."""

@@ -1,0 +1,107 @@
+"""The models the gateway serves: enabled deployments, each with its tokenizer and context length.
+
+Deployment rows are re-read after a few seconds so admin changes show up without a restart; a tokenizer
+is loaded once per (deployment, checkpoint).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from gpu_workers.model.config import ModelConfig
+from gpu_workers.model.errors import ModelLoadError
+from gpu_workers.model.tokenizer import Tokenizer, load_tokenizer
+from gpu_workers.protocol import DeploymentSpec
+from tessera.api.errors import APIError
+from tessera.models import Deployment
+
+ROW_TTL_S = 5.0
+
+
+@dataclass(frozen=True)
+class Model:
+    spec: DeploymentSpec
+    max_tokens_limit: int
+    context: int  # prompt + output tokens one request may hold
+    vocab_size: int
+    tokenizer: Tokenizer | None
+    created: int  # unix time, for /v1/models
+
+
+class Catalog:
+    """Thread-safe lookups of enabled deployments by model id (the gateway calls it from a thread pool)."""
+
+    def __init__(self, sessions: sessionmaker[Session], ttl_s: float = ROW_TTL_S):
+        self._sessions = sessions
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._models: dict[str, tuple[float, Model | None]] = {}
+        self._checkpoints: dict[tuple[str, str], tuple[ModelConfig, Tokenizer | None]] = {}
+
+    def get(self, name: str) -> Model:
+        """The enabled deployment ``name``, or a 404 that says how to find the valid ids."""
+        with self._lock:
+            cached = self._models.get(name)
+        if cached is not None and cached[0] > time.monotonic():
+            model = cached[1]
+        else:
+            with self._sessions() as session:
+                row = session.get(Deployment, name)
+                model = self._model(row) if row is not None and row.enabled else None
+            with self._lock:
+                if model is not None or len(self._models) < 10_000:  # unknown names can't grow it unbounded
+                    self._models[name] = (time.monotonic() + self._ttl_s, model)
+        if model is None:
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist or is not enabled; GET /v1/models lists the models you can use",
+                "model_not_found",
+                param="model",
+            )
+        return model
+
+    def enabled(self) -> list[tuple[str, int]]:
+        """(model id, created unix time) of every enabled deployment, by name."""
+        with self._sessions() as session:
+            rows = session.execute(
+                select(Deployment.name, Deployment.created_at)
+                .where(Deployment.enabled)
+                .order_by(Deployment.name)
+            ).all()
+        return [(name, int(created.timestamp())) for name, created in rows]
+
+    def _model(self, row: Deployment) -> Model:
+        spec = row.to_spec()
+        config, tokenizer = self._checkpoint(spec)
+        context = min(spec.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        return Model(
+            spec=spec,
+            max_tokens_limit=row.max_tokens_limit,
+            context=context,
+            vocab_size=config.vocab_size,
+            tokenizer=tokenizer,
+            created=int(row.created_at.timestamp()),
+        )
+
+    def _checkpoint(self, spec: DeploymentSpec) -> tuple[ModelConfig, Tokenizer | None]:
+        key = (spec.name, spec.checkpoint)
+        with self._lock:
+            loaded = self._checkpoints.get(key)
+        if loaded is None:
+            try:
+                loaded = ModelConfig.from_pretrained(Path(spec.checkpoint)), load_tokenizer(spec.checkpoint)
+            except (ModelLoadError, OSError, ValueError) as e:
+                raise APIError(
+                    503,
+                    f"the model '{spec.name}' is misconfigured: its checkpoint can't be read on the gateway ({e})",
+                    "model_unavailable",
+                ) from None
+            with self._lock:
+                self._checkpoints[key] = loaded
+        return loaded

@@ -1,0 +1,247 @@
+"""OpenAI-style errors for every failure, request ids on every response, and the request body limit.
+
+Every error body is ``{"error": {"message", "type", "code", "param"}}``; bad input is always a 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+# OpenAI's error types by status; anything 5xx is a server fault, never the caller's input.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member loc entries
+
+
+class APIError(Exception):
+    """An error the gateway answers with; ``message`` says what was wrong and what to do instead."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.code, self.param)
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+async def parse_body(request: Request, schema: type[BaseModel]) -> Any:
+    """The request body as ``schema``, or a 400 that says whether the bytes, the JSON or a field is wrong."""
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(
+            400,
+            f"the request body is not valid UTF-8 (byte {e.start}); send UTF-8 encoded JSON",
+            "invalid_json",
+        ) from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise APIError(
+            400,
+            f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+            "invalid_json",
+        ) from None
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", "invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def validation_error(errors: Any) -> APIError:
+    """One 400 naming the first bad field (pydantic's errors, from our parser or FastAPI's)."""
+    first = errors[0]
+    path = _field_path(first.get("loc", ()))
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = f"missing required parameter '{path}'"
+    elif path:
+        message = f"invalid value for '{path}': {message}"
+    others = len({_field_path(e.get("loc", ())) for e in errors[1:]} - {path})
+    if others:
+        message += f" (and {others} more invalid field{'s' if others > 1 else ''})"
+    param = path.split(".")[0].split("[")[0] or None
+    return APIError(400, message, "invalid_request", param=param)
+
+
+def _field_path(loc: Any) -> str:
+    """``messages[0].content`` from pydantic's loc; drops "body" and union-member tags like ``str``."""
+    path = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        else:
+            break  # a union member's tag: the field path ends before it
+    return path
+
+
+class RequestIdMiddleware:
+    """Give every request a server-chosen id (``scope.state.request_id``) and echo it as ``x-request-id``.
+
+    The id names the request's token stream in Redis, so it is never taken from the client.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = list(message.get("headers", []))
+                headers.append((REQUEST_ID_HEADER.encode(), rid.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            # Caught here rather than by a handler so the 500 still carries the request id.
+            if started:
+                raise
+            log.exception("unhandled error in request %s (%s %s)", rid, scope["method"], scope["path"])
+            message = f"internal server error; retry, and report request id {rid} if it persists"
+            await JSONResponse(error_body(500, message, "internal_error"), status_code=500)(
+                scope, receive, send_with_id
+            )
+
+
+class BodyTooLarge(StarletteHTTPException):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` with 413: by Content-Length before reading, else while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        detail = (
+            f"the request body is larger than the limit of {self.max_bytes} bytes; send a smaller request"
+        )
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            status = 413 if length.isdigit() else 400
+            code = "request_too_large" if status == 413 else "invalid_request"
+            message = detail if status == 413 else "the Content-Length header is not a number"
+            await JSONResponse(error_body(status, message, code), status_code=status)(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(413, detail)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status == 404:
+        message = f"no route for {request.method} {request.url.path}; see /docs for the API"
+    elif status == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    code = _CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+    return JSONResponse(error_body(status, message, code), status_code=status, headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error(exc.errors()))
+
+
+def install(app: FastAPI, max_body_bytes: int) -> None:
+    """Register the error handlers and the request-id and body-limit middleware on ``app``."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    # Added last so it is outermost: even the body limit's 413 carries the request id.
+    app.add_middleware(RequestIdMiddleware)

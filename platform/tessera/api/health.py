@@ -1,0 +1,63 @@
+"""Liveness (``/healthz``: the process answers) and readiness (``/readyz``: DB, Redis and a live worker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
+
+from gpu_workers.protocol import POOLS
+from tessera import routing
+from tessera.api.errors import error_body
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    gateway = request.app.state.gateway
+    checks: dict[str, Any] = {}
+    problems = []
+    try:
+        models = await run_in_threadpool(_ping_database, request)
+        checks["database"] = "ok"
+    except Exception as e:
+        models = []
+        checks["database"] = "error"
+        problems.append(f"database unreachable ({type(e).__name__})")
+    try:
+        await gateway.redis.ping()
+        checks["redis"] = "ok"
+        live = 0
+        for model in models:
+            for pool in POOLS:
+                live += len(
+                    await routing.live_workers(
+                        gateway.redis, model, pool, gateway.settings.worker_heartbeat_ttl_s
+                    )
+                )
+        checks["live_workers"] = live
+        if not live:
+            problems.append("no live worker for any enabled model; start one with `tessera worker`")
+    except Exception as e:
+        checks["redis"] = "error"
+        problems.append(f"redis unreachable ({type(e).__name__})")
+    if problems:
+        body = error_body(503, "not ready: " + "; ".join(problems), "not_ready")
+        return JSONResponse({**body, "checks": checks}, status_code=503)
+    return JSONResponse({"status": "ready", "checks": checks})
+
+
+def _ping_database(request: Request) -> list[str]:
+    """Enabled model ids, read with a real query, so a reachable database also proves its schema."""
+    with request.app.state.sessions() as session:
+        session.execute(text("SELECT 1"))
+    return [name for name, _ in request.app.state.gateway.catalog.enabled()]

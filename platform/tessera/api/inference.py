@@ -1,0 +1,281 @@
+"""OpenAI-compatible inference: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+
+Per request: auth → model → validate and tokenise → route to a live worker → queue the task on Celery →
+read its token stream → one JSON body or SSE chunks. The request record is written off the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from kombu.exceptions import OperationalError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from sqlalchemy.orm import Session, sessionmaker
+from sse_starlette import EventSourceResponse
+from starlette.concurrency import run_in_threadpool
+
+from gpu_workers.model.tokenizer import ChatTemplateError
+from gpu_workers.protocol import GenerateTask, Sampling
+from tessera import routing, streaming, tenancy
+from tessera.api.catalog import Catalog, Model
+from tessera.api.deps import Caller, CurrentCaller
+from tessera.api.errors import APIError, parse_body, request_id
+from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from tessera.settings import Settings
+
+log = logging.getLogger(__name__)
+
+AFFINITY_HEADER = "x-session-affinity"
+DEADLINE_GRACE_S = 2.0  # the gateway outwaits the worker's own deadline, so the worker's error arrives first
+router = APIRouter()
+
+
+@dataclass
+class Prepared:
+    model: Model
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+
+
+class Recorder:
+    """Writes request records on one background thread: never on the request's path, one writer at a time."""
+
+    def __init__(self, sessions: sessionmaker[Session]):
+        self._sessions = sessions
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-records")
+
+    def submit(
+        self, caller: Caller, rid: str, deployment: str, result: streaming.Result, prompt_tokens: int
+    ) -> None:
+        usage = result.usage_or_count(prompt_tokens)
+        if result.error is not None:
+            status, code = "failed", (result.error.error or {}).get("code", "internal_error")
+        elif result.finish_reason in (None, "abort"):
+            status, code = "cancelled", None  # the client left before the end
+        else:
+            status, code = "completed", None
+        record = {
+            "tenant_id": caller.tenant_id,
+            "key_id": caller.key_id,
+            "deployment": deployment,
+            "status": status,
+            "error_code": code,
+            "prompt_tokens": usage.get("prompt_tokens", prompt_tokens),
+            "cached_tokens": usage.get("cached_tokens", 0),
+            "completion_tokens": usage.get("completion_tokens", 0),
+        }
+        self._executor.submit(self._write, rid, record)
+
+    def _write(self, rid: str, record: dict[str, Any]) -> None:
+        try:
+            with self._sessions() as session:
+                tenancy.record_request(session, rid, **record)
+        except Exception:
+            log.exception("could not record request %s", rid)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@dataclass
+class Gateway:
+    """What the inference routes share; one per app (``app.state.gateway``)."""
+
+    settings: Settings
+    catalog: Catalog
+    redis: Redis
+    celery: Celery
+    recorder: Recorder
+
+    def prepare(self, body: GenerationRequest) -> Prepared:
+        """Validate ``body`` against its model and tokenise it. Sync: runs in a thread (tokenising is CPU)."""
+        model = self.catalog.get(body.model)
+        prompt_ids = self._prompt_ids(model, body)
+        if not prompt_ids:
+            raise APIError(
+                400, "the prompt is empty; send at least one token", "empty_prompt", param="prompt"
+            )
+        context = model.context
+        if len(prompt_ids) >= context:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens but this model's context is {context} tokens, "
+                "including at least one output token; shorten the prompt",
+                "context_length_exceeded",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
+        room = context - len(prompt_ids)
+        requested = body.requested_max_tokens()
+        if requested is not None and requested > model.max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens is {requested} but this model allows at most {model.max_tokens_limit} output tokens "
+                "per request; lower max_tokens",
+                "max_tokens_too_large",
+                param="max_tokens",
+            )
+        if requested is not None and requested > room:
+            raise APIError(
+                400,
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({requested}) exceeds this model's "
+                f"context of {context} tokens; set max_tokens to at most {room} or shorten the prompt",
+                "context_length_exceeded",
+                param="max_tokens",
+            )
+        sampling = Sampling(
+            max_tokens=requested if requested is not None else min(model.max_tokens_limit, room),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            stop=body.stop_list,
+        )
+        if sampling.stop and model.tokenizer is None:
+            raise APIError(
+                400, "stop strings need a tokenizer, which this model lacks", "no_tokenizer", param="stop"
+            )
+        return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage)
+
+    def _prompt_ids(self, model: Model, body: GenerationRequest) -> list[int]:
+        tokenizer = model.tokenizer
+        if isinstance(body, ChatCompletionRequest):
+            if tokenizer is None or not tokenizer.has_chat_template:
+                raise APIError(
+                    400,
+                    f"the model '{model.spec.name}' has no chat template; use /v1/completions with a prompt",
+                    "chat_not_supported",
+                    param="messages",
+                )
+            try:
+                text = tokenizer.apply_chat_template([m.for_template() for m in body.messages])
+            except ChatTemplateError as e:
+                raise APIError(400, str(e), "invalid_messages", param="messages") from None
+            # The template writes BOS itself, so no special tokens are added again.
+            return tokenizer.encode(text, add_special_tokens=False)
+        assert isinstance(body, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise APIError(
+                    400,
+                    f"the model '{model.spec.name}' has no tokenizer; send the prompt as a list of token ids",
+                    "no_tokenizer",
+                    param="prompt",
+                )
+            # As the offline engine encodes text prompts, so the same prompt gives the same tokens.
+            return tokenizer.encode(prompt) if prompt else []
+        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"token ids must be in [0, {model.vocab_size}); got {bad[:5]}",
+                "invalid_prompt",
+                param="prompt",
+            )
+        return list(prompt)
+
+    async def serve(self, request: Request, caller: Caller, prepared: Prepared, kind: str) -> Response:
+        """Route and queue the request, then answer with its result or its stream."""
+        rid = request_id(request)
+        spec = prepared.model.spec
+        salt = routing.tenant_salt(self.settings.derive_key("affinity"), caller.tenant_id)
+        key = routing.affinity_key(
+            salt, request.headers.get(AFFINITY_HEADER), prepared.prompt_ids, spec.page_size
+        )
+        try:
+            route = await routing.route(self.redis, spec, key, self.settings.worker_heartbeat_ttl_s)
+        except routing.NoLiveWorker as e:
+            raise APIError(503, str(e), "no_live_worker", headers={"Retry-After": "5"}) from None
+        except RedisError as e:
+            log.error("could not read worker heartbeats for request %s: %s", rid, e)
+            raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
+        deadline = time.time() + self.settings.request_timeout_s
+        task = GenerateTask(
+            request_id=rid,
+            deployment=spec.name,
+            tenant=caller.tenant_id,
+            prompt_ids=prepared.prompt_ids,
+            sampling=prepared.sampling,
+            deadline=deadline,
+            decode_queue=route.decode_queue,
+        )
+        await self._enqueue(route, task)
+        reader = streaming.StreamReader(
+            self.redis,
+            rid,
+            spec.name,
+            deadline + DEADLINE_GRACE_S,
+            route.workers,
+            self.settings.worker_heartbeat_ttl_s,
+            client_gone=None if prepared.stream else request.is_disconnected,
+        )
+        prompt_tokens = len(prepared.prompt_ids)
+        shape = streaming.OpenAIShape(
+            kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
+        )
+
+        def settle(result: streaming.Result) -> None:
+            self.recorder.submit(caller, rid, spec.name, result, prompt_tokens)
+
+        if prepared.stream:
+            chunks = streaming.sse(reader, shape, prompt_tokens, prepared.include_usage, settle)
+            return EventSourceResponse(chunks, ping=15)
+        result = await streaming.collect(reader)
+        settle(result)
+        if result.error is not None:
+            raise streaming.event_error(result.error)
+        return JSONResponse(shape.response(result, prompt_tokens))
+
+    async def _enqueue(self, route: routing.Route, task: GenerateTask) -> None:
+        expires = max(1.0, task.deadline - time.time())
+        try:
+            await run_in_threadpool(
+                self.celery.send_task,
+                route.task_name,
+                args=[task.to_json()],
+                queue=route.queue,
+                expires=expires,
+            )
+        except OperationalError as e:
+            log.error("could not queue request %s: %s", task.request_id, e)
+            raise APIError(503, "the task queue is unreachable; retry shortly", "queue_unavailable") from None
+
+
+def gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, caller: CurrentCaller) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    prepared = await run_in_threadpool(gateway(request).prepare, body)
+    return await gateway(request).serve(request, caller, prepared, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, caller: CurrentCaller) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    prepared = await run_in_threadpool(gateway(request).prepare, body)
+    return await gateway(request).serve(request, caller, prepared, "text")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, caller: CurrentCaller) -> dict[str, Any]:
+    models = await run_in_threadpool(gateway(request).catalog.enabled)
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "tessera"}
+            for name, created in models
+        ],
+    }

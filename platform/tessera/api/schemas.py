@@ -1,0 +1,125 @@
+"""Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s, not coerced)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 4
+MAX_SEED = 2**63 - 1
+# OpenAI parameters this gateway cannot honour: refused rather than silently ignored.
+UNSUPPORTED = (
+    "tools",
+    "functions",
+    "tool_choice",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "echo",
+    "suffix",
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: plain-text content; ``developer`` is OpenAI's new
+        name for ``system``, which is what checkpoints' templates know."""
+        if isinstance(self.content, list):
+            content = "".join(part.text for part in self.content)
+        else:
+            content = self.content or ""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+class GenerationRequest(_Strict):
+    """What both endpoints share. ``None`` means the default, as in OpenAI's API."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in UNSUPPORTED:
+                if data.get(name) not in (None, False, [], {}, 0):
+                    raise ValueError(f"'{name}' is not supported by this API; remove it from the request")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"only n=1 is supported, got {value}; send separate requests for more choices")
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI's newer name wins when both are sent, as in OpenAI's API.
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError(f"send one prompt per request, got {len(value)}")
+            return value[0]
+        return value

@@ -1,0 +1,273 @@
+"""Read a request's token stream from Redis and shape it as OpenAI responses: SSE chunks or one body.
+
+A worker appends Events to ``stream_key(request_id)``; the gateway reads them with XREAD BLOCK, stops at
+the request's deadline or when the worker running it stops heartbeating, and sets ``cancel_key`` when
+the client goes away so the worker frees the request's pages at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gpu_workers.protocol import HEARTBEAT_TTL_S, STREAM_FIELD, STREAM_TTL_S, Event, cancel_key, stream_key
+from tessera import routing
+from tessera.api.errors import APIError
+
+BLOCK_MS = 500  # how long one XREAD waits; bounds how late a deadline or a dead worker is noticed
+# Worker error codes that mean the request itself can never be served; every other code is a server fault.
+CLIENT_ERROR_CODES = frozenset(
+    {
+        "context_length_exceeded",
+        "kv_budget_exceeded",
+        "empty_prompt",
+        "invalid_prompt",
+        "invalid_max_tokens",
+        "invalid_stop",
+        "invalid_temperature",
+        "invalid_top_k",
+        "invalid_top_p",
+        "no_tokenizer",
+    }
+)
+_SERVER_ERROR_STATUS = {
+    "timeout": 504,
+    "deadline_exceeded": 504,
+    "worker_lost": 503,
+    "stream_unavailable": 503,
+}
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+def error_status(code: str) -> int:
+    if code in CLIENT_ERROR_CODES:
+        return 400
+    return _SERVER_ERROR_STATUS.get(code, 500)
+
+
+def event_error(event: Event) -> APIError:
+    error = event.error or {}
+    code = error.get("code", "internal_error")
+    return APIError(error_status(code), error.get("message", "the worker failed the request"), code)
+
+
+def decode_entry(fields: dict[bytes, bytes]) -> Event:
+    return Event.from_json(fields[STREAM_FIELD.encode()])
+
+
+async def cancel(redis: aioredis.Redis, request_id: str) -> None:
+    """Ask the worker to drop the request; shielded so it runs even while the caller is being cancelled."""
+    with anyio.CancelScope(shield=True), contextlib.suppress(RedisError):
+        await redis.set(cancel_key(request_id), b"1", ex=STREAM_TTL_S)
+
+
+@dataclass
+class StreamReader:
+    """The Events of one request, in order, ending with its final or error event (never hanging)."""
+
+    redis: aioredis.Redis
+    request_id: str
+    deployment: str
+    deadline: float
+    workers: tuple[tuple[str, str], ...]  # (pool, worker id) to watch for death while the stream is quiet
+    heartbeat_ttl_s: float = HEARTBEAT_TTL_S
+    client_gone: Callable[[], Awaitable[bool]] | None = None  # polled between reads (non-stream requests)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Use under ``contextlib.aclosing`` so an early exit cancels the request on the worker at once."""
+        key = stream_key(self.request_id)
+        last_id = b"0-0"
+        last_event = time.monotonic()
+        # The stream is left to expire rather than deleted: a redelivered task reads it to see the request
+        # already finished (and must not run, or bill, twice).
+        finished = False  # the worker ended the stream itself; otherwise tell it to stop
+        try:
+            while True:
+                remaining_ms = int((self.deadline - time.time()) * 1000)
+                if remaining_ms <= 0:
+                    yield _failure(
+                        "timeout",
+                        "the request ran past its deadline; retry later or with a smaller max_tokens",
+                    )
+                    return
+                try:
+                    reply = await self.redis.xread(
+                        {key: last_id}, block=min(BLOCK_MS, remaining_ms), count=64
+                    )
+                except RedisError as e:
+                    yield _failure("stream_unavailable", f"lost the request's token stream ({e}); retry")
+                    return
+                for _, entries in reply:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        event = decode_entry(fields)
+                        finished = event.kind in ("final", "error")
+                        yield event
+                        if finished:
+                            return
+                if reply:
+                    last_event = time.monotonic()
+                elif self.client_gone is not None and await self.client_gone():
+                    return
+                elif time.monotonic() - last_event > self.heartbeat_ttl_s and await self._worker_lost():
+                    yield _failure(
+                        "worker_lost", "the worker serving this request stopped; retry the request"
+                    )
+                    return
+        finally:
+            if not finished:
+                await cancel(self.redis, self.request_id)
+
+    async def _worker_lost(self) -> bool:
+        try:
+            for pool, worker_id in self.workers:
+                if not await routing.is_live(
+                    self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s
+                ):
+                    return True
+        except RedisError:
+            pass  # the next read reports Redis itself
+        return False
+
+
+def _failure(code: str, message: str) -> Event:
+    return Event(kind="error", error={"code": code, "message": message})
+
+
+def usage_body(usage: dict[str, int] | None) -> dict[str, Any]:
+    usage = usage or {}
+    prompt = usage.get("prompt_tokens", 0)
+    completion = usage.get("completion_tokens", 0)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+    }
+
+
+@dataclass
+class Result:
+    """A finished request, accumulated from its events."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    error: Event | None = None
+
+    def add(self, event: Event) -> None:
+        self.text += event.text
+        self.token_ids.extend(event.token_ids)
+        if event.usage is not None:  # final events carry usage, and so may error events
+            self.usage = event.usage
+        if event.kind == "final":
+            self.finish_reason = event.finish_reason
+        elif event.kind == "error":
+            self.error = event
+
+    def usage_or_count(self, prompt_tokens: int) -> dict[str, int]:
+        """The worker's usage, or what the gateway saw (prompt length, tokens streamed) when there is none."""
+        if self.usage is not None:
+            return self.usage
+        return {"prompt_tokens": prompt_tokens, "cached_tokens": 0, "completion_tokens": len(self.token_ids)}
+
+
+@dataclass(frozen=True)
+class OpenAIShape:
+    """Builds one request's OpenAI objects: ``chat`` (chat.completion) or ``text`` (text_completion)."""
+
+    kind: str
+    response_id: str
+    model: str
+    created: int
+
+    def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
+        finish = FINISH_REASONS.get(result.finish_reason or "stop", "stop")
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
+            obj = "text_completion"
+        return {
+            **self._head(obj),
+            "choices": [choice],
+            "usage": usage_body(result.usage_or_count(prompt_tokens)),
+        }
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        finish = FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
+        if self.kind == "chat":
+            delta: dict[str, Any] = {"content": text} if text or first else {}
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage_body(usage)}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+
+
+async def collect(reader: StreamReader) -> Result:
+    result = Result()
+    async with aclosing(reader.events()) as events:
+        async for event in events:
+            result.add(event)
+    return result
+
+
+async def sse(
+    reader: StreamReader,
+    shape: OpenAIShape,
+    prompt_tokens: int,
+    include_usage: bool,
+    on_finish: Callable[[Result], None],
+) -> AsyncIterator[str]:
+    """SSE ``data:`` payloads: a role chunk, content chunks, the finish chunk, usage if asked, ``[DONE]``.
+
+    A worker error after the stream began becomes an OpenAI error chunk (the status is already 200).
+    ``on_finish`` gets the accumulated result, however the stream ended.
+    """
+    result = Result()
+    try:
+        if shape.kind == "chat":
+            yield _dump(shape.chunk("", None, first=True))
+        async with aclosing(reader.events()) as events:
+            async for event in events:
+                result.add(event)
+                if event.kind == "error":
+                    yield _dump(event_error(event).body())
+                    break
+                finish = event.finish_reason if event.kind == "final" else None
+                if event.text or finish:
+                    yield _dump(shape.chunk(event.text, finish))
+        if include_usage and result.error is None:
+            yield _dump(shape.usage_chunk(result.usage_or_count(prompt_tokens)))
+        yield "[DONE]"
+    finally:
+        on_finish(result)
+
+
+def _dump(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)

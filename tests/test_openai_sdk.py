@@ -1,0 +1,291 @@
+"""The official OpenAI Python SDK, unmodified, against a real ``tessera up`` (embedded Redis, SQLite, one
+prefill and one decode worker): what a user of the platform does first.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import redis
+from tessera import db, tenancy
+from tessera.launcher import DEMO_MODEL
+from tessera.settings import Settings
+from test_launcher import assert_all_stopped, start_up, stop_up
+
+from gpu_workers.protocol import WorkerInfo, cancel_key, stream_key, workers_key
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    up = start_up(tmp_path_factory.mktemp("sdk"))
+    yield up
+    assert stop_up(up, signal.SIGTERM) == 0, up.output
+    assert_all_stopped(up)
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    # No retries: a 5xx must show up as one, not be hidden behind the SDK's backoff.
+    return openai.OpenAI(base_url=f"{up.url}/v1", api_key=up.key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def spec(up):
+    engine = db.make_engine(Settings(data_dir=up.data_dir).database_url)
+    with db.session_factory(engine)() as session:
+        spec = tenancy.get_deployment(session, DEMO_MODEL).to_spec()
+    engine.dispose()
+    return spec
+
+
+@dataclass
+class Offline:
+    """The offline engines in the two pools' configurations: the hand-off of ``tessera up`` in one process."""
+
+    prefill: object
+    decode: object
+    decode_kv: str
+
+    @property
+    def tokenizer(self):
+        return self.prefill.tokenizer
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str, str]:
+        """(token ids, text, finish reason) as prefill (first token) then decode (the rest) produce them."""
+        from gpu_workers import SamplingParams
+
+        first = []
+        self.prefill.add_request(
+            prompt,
+            SamplingParams(max_tokens=1, temperature=0),
+            export_kv=self.decode_kv,
+            on_event=first.append,
+        )
+        while self.prefill.has_unfinished():
+            self.prefill.step()
+        ids, text, finish = list(first[-1].token_ids), first[-1].text, first[-1].finish_reason
+        if finish != "length" or max_tokens == 1:
+            return ids, text, finish
+        rest = []
+        self.decode.add_request(
+            prompt + ids,
+            SamplingParams(max_tokens=max_tokens - 1, temperature=0),
+            kv_import=first[-1].kv,
+            on_event=rest.append,
+        )
+        while self.decode.has_unfinished():
+            self.decode.step()
+        ids += [t for e in rest for t in e.token_ids]
+        return ids, text + "".join(e.text for e in rest), rest[-1].finish_reason
+
+
+@pytest.fixture(scope="module")
+def offline(spec, up):
+    from gpu_workers import Engine
+    from gpu_workers.pools.worker import engine_config
+
+    secret = Settings(data_dir=up.data_dir).derive_key("prefix-cache")
+    engines = (
+        Engine.from_pretrained(spec.checkpoint, engine_config(spec, pool, secret))
+        for pool in ("prefill", "decode")
+    )
+    return Offline(*engines, spec.decode_kv)
+
+
+@pytest.fixture(scope="module")
+def up_redis(up):
+    return redis.Redis(unix_socket_path=up.redis_socket)
+
+
+MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+def test_chat_completion_equals_the_offline_engine(client, offline):
+    response = client.chat.completions.create(
+        model=DEMO_MODEL, messages=MESSAGES, max_tokens=24, temperature=0
+    )
+    tokenizer = offline.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
+    ids, text, finish = offline.greedy(prompt, 24)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == text
+    assert choice.finish_reason == finish
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(ids))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streaming_chat_with_usage_equals_the_whole_response(client):
+    whole = client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model=DEMO_MODEL,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None
+    assert final.usage.completion_tokens == whole.usage.completion_tokens
+    assert final.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_equals_the_offline_engine(client, offline):
+    response = client.completions.create(model=DEMO_MODEL, prompt="def fib(n):", max_tokens=12, temperature=0)
+    prompt = offline.tokenizer.encode("def fib(n):")  # text prompts get BOS, as in the offline engine
+    ids, text, _ = offline.greedy(prompt, 12)
+    assert response.choices[0].text == text
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(prompt), len(ids))
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_seeded_sampling_is_repeatable(client):
+    def sample() -> str:
+        response = client.completions.create(
+            model=DEMO_MODEL, prompt="import os", max_tokens=12, temperature=1.0, seed=1234
+        )
+        return response.choices[0].text
+
+    assert sample() == sample()
+
+
+def test_shared_prefix_with_the_same_affinity_reports_cached_tokens(client, offline):
+    from gpu_workers import SamplingParams
+
+    prompts = ["import os\n" * 40 + "a = 1", "import os\n" * 40 + "b = 2"]
+    headers = {"x-session-affinity": "sdk-session-1"}
+    served = [
+        client.completions.create(
+            model=DEMO_MODEL, prompt=p, max_tokens=2, temperature=0, extra_headers=headers
+        )
+        for p in prompts
+    ]
+    # The prefill engine offline, on the same prompts in the same order, for one tenant.
+    computed = [
+        offline.prefill.generate([p], SamplingParams(max_tokens=1, temperature=0), tenant="sdk")[
+            0
+        ].cached_tokens
+        for p in prompts
+    ]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in served]
+    assert cached[0] == 0 and cached[1] > 0
+    assert cached == computed
+
+
+# -- bad input: 4xx OpenAI errors, never 5xx -----------------------------------------------------------------
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="@nobody/nothing", messages=MESSAGES)
+    assert info.value.code == "model_not_found"
+
+
+def test_max_tokens_over_the_limit_and_prompt_over_the_context_are_bad_requests(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=100_000)
+    assert info.value.code == "max_tokens_too_large"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=DEMO_MODEL, prompt="word " * 5000)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=DEMO_MODEL, messages=[{"role": "user"}], temperature="hot")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"model": "@tessera/demo", "messages": [',
+        b'{"model": "\xff"}',
+        b"{}",
+        b'{"model": 1, "messages": 2}',
+    ],
+    ids=["malformed-json", "invalid-utf8", "missing-fields", "wrong-types"],
+)
+def test_raw_bad_bodies_are_400(up, content):
+    response = httpx.post(
+        f"{up.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {up.key}", "Content-Type": "application/json"},
+        content=content,
+    )
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_413(up):
+    response = httpx.post(
+        f"{up.url}/v1/completions",
+        headers={"Authorization": f"Bearer {up.key}"},
+        json={"model": DEMO_MODEL, "prompt": "x" * (2 * 2**20)},
+    )
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+def test_bad_key_is_authentication_error(up):
+    bad = openai.OpenAI(base_url=f"{up.url}/v1", api_key="tsk_nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_models_list(client):
+    assert DEMO_MODEL in [m.id for m in client.models.list()]
+
+
+def test_model_without_live_workers_is_503_fast(client, up, spec):
+    engine = db.make_engine(Settings(data_dir=up.data_dir).database_url)
+    with db.session_factory(engine)() as session:
+        config = {"name": "@tessera/idle", "checkpoint": spec.checkpoint, "mode": "colocated"}
+        tenancy.create_deployment(session, config, actor="test")
+    engine.dispose()
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="@tessera/idle", messages=MESSAGES)
+    assert info.value.status_code == 503 and info.value.code == "no_live_worker"
+    assert time.monotonic() - start < 1.0
+
+
+# -- disconnects ------------------------------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_cancels_the_request_and_frees_its_pages(up, up_redis):
+    body = {"model": DEMO_MODEL, "prompt": "hello", "max_tokens": 1000, "stream": True}
+    with httpx.stream(
+        "POST", f"{up.url}/v1/completions", headers={"Authorization": f"Bearer {up.key}"}, json=body
+    ) as r:
+        rid = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        for _ in range(8):
+            next(lines)
+    deadline = time.monotonic() + 5
+    while not up_redis.exists(cancel_key(rid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert up_redis.exists(cancel_key(rid))
+    time.sleep(1.0)
+    length = up_redis.xlen(stream_key(rid))
+    time.sleep(0.5)
+    assert up_redis.xlen(stream_key(rid)) == length < 1000  # the worker stopped generating
+    last = up_redis.xrevrange(stream_key(rid), count=1)[0][1][b"event"]
+    assert re.search(rb'"finish_reason":"abort"|"kind":"error"', last)
+
+    def decode_pages() -> int:
+        infos = [WorkerInfo.from_json(v) for v in up_redis.hvals(workers_key(DEMO_MODEL, "decode"))]
+        return sum(i.kv_pages_used + i.running for i in infos if time.time() - i.last_seen < 10)
+
+    deadline = time.monotonic() + 6  # the next heartbeats show the request gone
+    while decode_pages() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert decode_pages() == 0
