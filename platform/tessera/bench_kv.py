@@ -160,7 +160,7 @@ def cmd_kv_formats(args: argparse.Namespace) -> None:
     if args.kv_budget_bytes is None:
         import torch
 
-        per_request = -(-(args.prompt_tokens + args.max_tokens) // config.page_size) * config.page_size
+        per_request = _round_up(args.prompt_tokens + args.max_tokens, config.page_size)
         bytes_per_token = model.kv_spec.bytes_per_token(torch.bfloat16)
         config = replace(config, kv_budget_bytes=args.fit_requests * per_request * bytes_per_token)
     with _progress(len(args.concurrency) * args.reps * len(KV_FORMATS)) as advance:
@@ -331,14 +331,7 @@ def measure_kv_formats(
     """
     from gpu_workers import Engine
 
-    try:
-        engines = [Engine(model, tokenizer, replace(config, kv_cache_dtype=fmt)) for fmt in KV_FORMATS]
-    except TypeError as exc:
-        from tessera.cli import CliError
-
-        raise CliError(
-            f"this engine has no KV cache formats yet (EngineConfig.kv_cache_dtype): {exc}"
-        ) from None
+    engines = [Engine(model, tokenizer, replace(config, kv_cache_dtype=fmt)) for fmt in KV_FORMATS]
     rng = random.Random(0)
     vocab = model.config.vocab_size
     for engine in engines:
@@ -376,12 +369,11 @@ def measure_kv_formats(
         for fmt, e in zip(KV_FORMATS, engines, strict=True)
     }
     peaks = {fmt: max(r[fmt]["tokens_per_s"] for r in rows) for fmt in KV_FORMATS}
+    request_tokens = _round_up(prompt_tokens + max_tokens, config.page_size)  # whole pages per request
     return {
         "results": rows,
         "capacity": capacity,
-        "requests_that_fit": {
-            fmt: c["kv_capacity_tokens"] // (prompt_tokens + max_tokens) for fmt, c in capacity.items()
-        },
+        "requests_that_fit": {fmt: c["kv_capacity_tokens"] // request_tokens for fmt, c in capacity.items()},
         "peak_tokens_per_s": peaks,
         "peak_ratio_fp8_over_bf16": round(peaks["fp8_e4m3"] / peaks["bf16"], 3),
     }
@@ -559,6 +551,10 @@ def _greedy(max_tokens: int):
     from gpu_workers import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _round_up(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size) * page_size
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
