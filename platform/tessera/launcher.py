@@ -265,6 +265,9 @@ def _on_sigterm(signum, frame) -> None:
 def run_up(settings: Settings) -> int:
     launcher = Launcher(settings)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # Set explicitly: a process started from a background job inherits SIGINT ignored, and Ctrl-C must
+    # still stop everything.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         launcher.start()
         launcher.wait_ready()
