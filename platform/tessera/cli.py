@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera import bench_kv, cli_admin, cli_kv, cli_serve
+from tessera import bench_gateway, bench_kv, cli_admin, cli_kv, cli_serve
 
 
 class CliError(Exception):
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--json", action="store_true", help="print the results as JSON")
     engine.set_defaults(func=cmd_bench_engine)
     bench_kv.add_commands(benches)
+    bench_gateway.add_commands(benches)
     cli_kv.add_commands(commands)
     cli_admin.add_commands(commands)
     cli_serve.add_commands(commands)
@@ -117,6 +118,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_dtype: str | None) 
         help="KV cache format (default auto: the model dtype, unquantised)",
     )
     parser.add_argument("--kv-scales", metavar="FILE", help="static FP8 KV scales from `tessera calibrate`")
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "bf16", "fp8", "int4"),
+        help="weight format (default auto: what the checkpoint holds; fp8/int4 quantise an unquantised "
+        "checkpoint as it loads)",
+    )
     parser.add_argument(
         "--no-integrity-check",
         dest="integrity_check",
@@ -145,6 +152,7 @@ def engine_config(args: argparse.Namespace):
         "page_size": args.page_size,
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_scales": args.kv_scales,
+        "weights": args.weights,
         "integrity_check": args.integrity_check,
     }
     try:
