@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tessera.launcher import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +179,7 @@ def test_up_prints_url_and_key_serves_and_ctrl_c_stops_everything(data_dir):
         assert f"Authorization: Bearer {up.key}" in up.output  # the curl example is ready to paste
         assert len(up.pids) >= 4  # prefill worker, decode worker, API, Redis
         assert httpx.get(f"{up.url}/readyz").status_code == 200
-        body = {"model": "@tessera/demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         response = httpx.post(
             f"{up.url}/v1/chat/completions",
             headers={"Authorization": f"Bearer {up.key}"},
@@ -201,7 +202,7 @@ def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everyt
         assert "writing the demo model" not in up.output
         first_key = (data_dir / "first-key").read_text()
         models = httpx.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"})
-        assert models.status_code == 200 and models.json()["data"][0]["id"] == "@tessera/demo"
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == DEFAULT_MODEL
     finally:
         code = stop_up(up, signal.SIGTERM)
     assert code == 0, up.output

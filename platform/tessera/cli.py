@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera import bench_gateway, bench_kv, cli_admin, cli_kv, cli_serve
+from tessera import SHIPPED_MODEL_DIR, bench_gateway, bench_kv, cli_admin, cli_kv, cli_serve
 
 
 class CliError(Exception):
@@ -51,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_init_model)
 
     gen = commands.add_parser("generate", help="generate text from a checkpoint folder, offline")
-    gen.add_argument("--model", required=True, type=Path, metavar="DIR", help="checkpoint folder (HF layout)")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        default=SHIPPED_MODEL_DIR,
+        metavar="DIR",
+        help="checkpoint folder (HF layout; default: the shipped pycode-tiny model)",
+    )
     prompts = gen.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat for a batch")
     prompts.add_argument(

