@@ -90,7 +90,9 @@ class Engine:
         from gpu_workers.model import load_model, load_tokenizer
 
         config = config or EngineConfig()
-        model = load_model(path, dtype=config.torch_dtype, device=config.device, progress=progress)
+        model = load_model(
+            path, dtype=config.torch_dtype, device=config.device, progress=progress, weights=config.weights
+        )
         return cls(model, load_tokenizer(path), config)
 
     # -- requests -------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     kv_cache_dtype: str = "auto"  # auto (= dtype, unquantised), bf16 or fp8_e4m3
+    # auto (= whatever the checkpoint holds), bf16 (unquantised, in dtype), fp8 or int4 (an unquantised
+    # checkpoint is quantised as it loads); independent of the KV format
+    weights: str = "auto"
     kv_scales: str | None = None  # static FP8 KV scales (`tessera calibrate`); None: dynamic per sequence
     integrity_check: bool = True  # verify page generations before every step reads the cache
     prefix_cache: bool = True  # reuse full KV pages of a tenant's earlier prompts
@@ -40,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.weights not in ("auto", "bf16", "fp8", "int4"):
+            raise ValueError(f"weights must be auto, bf16, fp8 or int4, got {self.weights!r}")
         if self.kv_scales is not None and self.kv_cache_dtype != "fp8_e4m3":
             raise ValueError(
                 f"kv_scales are FP8 KV scales; set kv_cache_dtype='fp8_e4m3' (it is {self.kv_cache_dtype!r})"

@@ -1,4 +1,9 @@
-"""Build a model from a Hugging Face checkpoint folder: config.json plus one or more safetensors shards."""
+"""Build a model from a Hugging Face checkpoint folder: config.json plus one or more safetensors shards.
+
+Weights load in the checkpoint's format: a ``quantization_config`` (written by ``tessera quantize``) makes
+the converted linear layers fp8 or int4. ``weights="fp8"|"int4"`` quantises an unquantised checkpoint
+while loading it, tensor by tensor, so one checkpoint can serve fp8 prefill and int4 decode.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from gpu_workers.model.config import ModelConfig, read_json
 from gpu_workers.model.errors import ModelLoadError
 from gpu_workers.model.llama import LlamaForCausalLM
 from gpu_workers.model.mixtral import MixtralForCausalLM
+from gpu_workers.quant.config import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QuantConfig
+from gpu_workers.quant.linear import Fp8Linear, Int4Linear, convert_linears
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,21 +37,60 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    weights: str = "auto",
 ) -> nn.Module:
     """The checkpoint at ``path`` as an eval-mode module with weights in ``dtype`` on ``device``.
 
-    Raises ``ModelLoadError`` for an unsupported architecture, a missing config or weights file, and a
-    missing or wrongly shaped tensor.
+    ``weights``: "auto" keeps the checkpoint's format; "bf16" asks for unquantised weights (in ``dtype``);
+    "fp8"/"int4" ask for that format, quantising an unquantised checkpoint as it loads (round to nearest,
+    int4 in groups of 128). A quantised checkpoint loads only as itself. The model's ``quantization``
+    attribute is the QuantConfig it runs with, or None.
+
+    Raises ``ModelLoadError`` for an unsupported architecture, a missing config or weights file, a missing
+    or wrongly shaped tensor, and a weight format the checkpoint cannot give.
     """
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    stored = _stored_quantization(path)
+    quant = _target_quantization(weights, stored, path)
     files = safetensors_files(path)
     # Built on the meta device so no memory is allocated or initialised for weights about to be overwritten.
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config).to(dtype)
+        if quant is not None:
+            convert_linears(model, quant)
     model.to_empty(device=device)
-    _load_weights(model, files, progress)
+    _load_weights(model, files, progress, quantize_dense=stored is None)
+    model.quantization = quant
     return model.eval().requires_grad_(False)
+
+
+def _stored_quantization(path: Path) -> QuantConfig | None:
+    raw = read_json(path / "config.json").get("quantization_config")
+    if raw is None:
+        return None
+    try:
+        return QuantConfig.from_json(raw)
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"config.json in {path} has an invalid quantization_config: {e}") from None
+
+
+def _target_quantization(weights: str, stored: QuantConfig | None, path: Path) -> QuantConfig | None:
+    if weights not in ("auto", *WEIGHT_FORMATS):
+        raise ModelLoadError(f"weights must be auto, {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
+    if weights == "auto":
+        return stored
+    if stored is None:
+        if weights == "bf16":
+            return None
+        return QuantConfig(weights, group_size=DEFAULT_GROUP_SIZE if weights == "int4" else None)
+    if weights != stored.format:
+        raise ModelLoadError(
+            f"{path} holds {stored.format} weights (quantised by `tessera quantize`), so it cannot load as "
+            f"{weights}: the original weights are gone. Use weights='auto' (or '{stored.format}'), or point "
+            f"at the unquantised checkpoint it was converted from to get {weights}"
+        )
+    return stored
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -66,8 +112,13 @@ def safetensors_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"{path} has no model.safetensors and no {INDEX_FILE}{hint}")
 
 
-def _load_weights(model: nn.Module, files: list[Path], progress: bool) -> None:
-    params = dict(model.named_parameters())
+def _load_weights(model: nn.Module, files: list[Path], progress: bool, quantize_dense: bool) -> None:
+    """Copy every checkpoint tensor into the model; with ``quantize_dense``, a quantised layer's unquantised
+    ``weight`` is quantised into it."""
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    quantized = {
+        name: module for name, module in model.named_modules() if isinstance(module, Fp8Linear | Int4Linear)
+    }
     loaded: set[str] = set()
     # stderr, so that machine-readable stdout (``--json``) stays clean while a checkpoint loads.
     with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
@@ -76,11 +127,17 @@ def _load_weights(model: nn.Module, files: list[Path], progress: bool) -> None:
             bar.update(task, description=f"Loading {file.name}")
             with safe_open(file, framework="pt", device="cpu") as shard:
                 for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    module_name = name.removesuffix(".weight")
+                    if quantize_dense and name.endswith(".weight") and module_name in quantized:
+                        loaded |= _quantize_into(
+                            quantized[module_name], module_name, shard.get_tensor(name), file
+                        )
+                        continue
                     param = params.get(name)
                     if param is None:
                         _check_extra(name, model, file)
                         continue
-                    tensor = shard.get_tensor(name)
+                    tensor = _stored_as(shard.get_tensor(name), param, name, file)
                     if tensor.shape != param.shape:
                         raise ModelLoadError(
                             f"tensor {name} in {file.name} has shape {list(tensor.shape)}, expected "
@@ -93,6 +150,33 @@ def _load_weights(model: nn.Module, files: list[Path], progress: bool) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"checkpoint is missing tensor {shown} (config.json says the model has it)")
+
+
+def _quantize_into(module: nn.Module, module_name: str, weight: torch.Tensor, file: Path) -> set[str]:
+    expected = [module.out_features, module.in_features]
+    if list(weight.shape) != expected:
+        raise ModelLoadError(
+            f"tensor {module_name}.weight in {file.name} has shape {list(weight.shape)}, expected {expected} "
+            "from config.json"
+        )
+    module.load_dense(weight)
+    return {f"{module_name}.{name}" for name, _ in module.named_buffers()}
+
+
+def _stored_as(tensor: torch.Tensor, param: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """``tensor`` in a dtype that copies into ``param`` without changing its meaning.
+
+    FP8 weights are stored as float8_e4m3fn and held as their uint8 bits; packed int4 must be uint8. Float
+    tensors may change precision (a bf16 checkpoint loads into a float32 model).
+    """
+    if param.dtype == torch.uint8 and tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8)
+    if (param.dtype == torch.uint8) != (tensor.dtype == torch.uint8):
+        raise ModelLoadError(
+            f"tensor {name} in {file.name} is {tensor.dtype}, but this model expects {param.dtype} there: the "
+            "checkpoint's quantization_config and its tensors disagree"
+        )
+    return tensor
 
 
 def _check_extra(name: str, model: nn.Module, file: Path) -> None:

@@ -8,7 +8,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera import SHIPPED_MODEL_DIR, bench_gateway, bench_kv, cli_admin, cli_kv, cli_serve
+from tessera import (
+    SHIPPED_MODEL_DIR,
+    bench_gateway,
+    bench_kv,
+    cli_admin,
+    cli_eval,
+    cli_kv,
+    cli_quant,
+    cli_serve,
+)
 
 
 class CliError(Exception):
@@ -102,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_kv.add_commands(commands)
     cli_admin.add_commands(commands)
     cli_serve.add_commands(commands)
+    cli_eval.add_commands(commands)
+    cli_quant.add_commands(commands)
     return parser
 
 

@@ -1,0 +1,44 @@
+"""Triton kernels for decode, each beside the torch reference it is tested against.
+
+``name.py`` holds the reference and the function callers use; ``name_triton.py`` the kernel with the same
+signature, imported only when it runs. ``use_triton`` picks: kernels on CUDA tensors, references elsewhere.
+``TESSERA_KERNELS=reference`` forces the references everywhere; ``TESSERA_KERNELS=triton`` forces the
+kernels (on CPU that needs ``TRITON_INTERPRET=1``: how the tests run them).
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.util import find_spec
+
+import torch
+
+KERNELS_ENV = "TESSERA_KERNELS"
+KERNEL_MODES = ("auto", "reference", "triton")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get(KERNELS_ENV, "auto")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"{KERNELS_ENV}={mode!r} is not a kernel mode; use one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether work on ``device`` runs the Triton kernels (True) or the torch references (False)."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if find_spec("triton") is None:
+            raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed: pip install triton")
+        return True
+    return device.type == "cuda" and find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """True when Triton runs kernels in its CPU interpreter, whose bf16 ``tl.dot`` is wrong: kernels then
+    upcast dot operands to fp32 (ENVIRONMENT.md)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)

@@ -1,0 +1,205 @@
+"""Every Triton kernel equals its torch reference on small shapes, run by Triton's CPU interpreter.
+
+Tolerances, and why:
+- fp32 activations: kernel and reference compute the same products in a different summation order, so
+  they agree to fp32 rounding (relative 1e-5 of the output's scale).
+- bf16 activations: the reference rounds the dequantised weight to bf16 before its matmul (relative 2^-9
+  per weight) and the interpreter truncates fp32→bf16 stores instead of rounding to nearest (found here:
+  up to one bf16 step, 2^-8 relative), so they agree to 2^-7 of the output's scale.
+- FP8 quantisation inside a kernel (KV write): the interpreter's fp32→fp8 cast drops the carry when
+  rounding up crosses a power of two (ENVIRONMENT.md). Values that need no rounding match bit for bit;
+  on random values every mismatch must be exactly that bug.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: @triton.jit reads it
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gpu_workers import Engine, EngineConfig, SamplingParams  # noqa: E402
+from gpu_workers.kernels.decode_attention import (  # noqa: E402
+    paged_attention,
+    paged_decode_attention_reference,
+)
+from gpu_workers.kernels.decode_attention_triton import paged_decode_attention_triton  # noqa: E402
+from gpu_workers.kernels.fp8_gemm import fp8_linear_reference  # noqa: E402
+from gpu_workers.kernels.fp8_gemm_triton import fp8_linear_triton  # noqa: E402
+from gpu_workers.kernels.int4_gemm import int4_linear_reference  # noqa: E402
+from gpu_workers.kernels.int4_gemm_triton import int4_linear_triton  # noqa: E402
+from gpu_workers.kernels.kv_write import write_kv_reference  # noqa: E402
+from gpu_workers.kernels.kv_write_triton import write_kv_triton  # noqa: E402
+from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
+from gpu_workers.kv import paged_attention as kv_paged_attention  # noqa: E402
+from gpu_workers.kv.formats import quantize_fp8  # noqa: E402
+from gpu_workers.quant.checkpoint import quantize_checkpoint  # noqa: E402
+from gpu_workers.quant.formats import quantize_fp8_weight, quantize_int4  # noqa: E402
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, relative: float) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=0, atol=relative * ref.float().abs().max().item()
+    )
+
+
+# (batch, out features, in features, group size): decode GEMV, a batch that is not a tile multiple,
+# a prefill-sized batch; 200 inputs leave a ragged last group.
+GEMM_SHAPES = [(1, 96, 256, 128), (5, 40, 200, 64), (37, 72, 160, 32)]
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize(("m", "n", "k", "group"), GEMM_SHAPES)
+def test_int4_gemm_matches_reference(m, n, k, group, symmetric):
+    gen = torch.Generator().manual_seed(m)
+    q = quantize_int4(torch.randn(n, k, generator=gen), group, symmetric)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    args = (q.weight_packed, q.weight_scale, q.weight_zero, group)
+    assert_matches(int4_linear_triton(x, *args, bias), int4_linear_reference(x, *args, bias), 1e-5)
+    xb = x.to(torch.bfloat16)
+    assert_matches(int4_linear_triton(xb, *args), int4_linear_reference(xb, *args), 2**-7)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group"), GEMM_SHAPES)
+def test_fp8_gemm_matches_reference(m, n, k, group):
+    gen = torch.Generator().manual_seed(m)
+    q = quantize_fp8_weight(torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen))
+    x, bias = torch.randn(3, m, k, generator=gen), torch.randn(n, generator=gen)  # leading dims flatten
+    out = fp8_linear_triton(x, q.weight, q.weight_scale, bias)
+    assert_matches(out, fp8_linear_reference(x, q.weight, q.weight_scale, bias), 1e-5)
+    xb = x.to(torch.bfloat16)
+    assert_matches(
+        fp8_linear_triton(xb, q.weight, q.weight_scale),
+        fp8_linear_reference(xb, q.weight, q.weight_scale),
+        2**-7,
+    )
+
+
+def decode_case(heads, kv_heads, head_dim, page_size, lens, seed=0):
+    """Queries and a shuffled page pool holding sequences of ``lens`` tokens; tables padded with page 0."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-n // page_size) for n in lens]
+    num_pages = sum(pages_per_seq) + 3
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max(pages_per_seq), dtype=torch.int32)
+    for b, count in enumerate(pages_per_seq):
+        tables[b, :count] = torch.tensor([order.pop() for _ in range(count)])
+    shape = (num_pages * page_size, kv_heads, head_dim)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32), num_pages
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size", "window"),
+    [
+        (4, 2, 32, 4, None),
+        (8, 2, 24, 16, None),
+        (4, 4, 16, 8, 7),
+    ],  # GQA, head_dim not a power of 2, MHA + window
+)
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
+def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, page_size, window, kv):
+    # Lengths 1 (one key), short, and long enough for several 32-position splits, in one launch.
+    q, k, v, tables, lens, num_pages = decode_case(heads, kv_heads, head_dim, page_size, [1, 13, 150])
+    scales = (None, None)
+    if kv == "bf16":
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    else:
+        # Per-page scales, as KVCache keeps them; quantised with torch (the interpreter's fp8 cast is buggy).
+        scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
+        k, v = (
+            quantize_fp8(x, s.repeat_interleave(page_size)[:, None, None])
+            for x, s in zip((k, v), scales, strict=True)
+        )
+    args = (k, v, tables, lens, page_size, head_dim**-0.5, window, *scales)
+    assert_matches(paged_decode_attention_triton(q, *args), paged_decode_attention_reference(q, *args), 1e-5)
+    qb = q.to(torch.bfloat16)  # bf16 queries: the output store is the one rounding that differs
+    assert_matches(
+        paged_decode_attention_triton(qb, *args), paged_decode_attention_reference(qb, *args), 2**-7
+    )
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_dtype):
+    """Decode rows through the kernel, prefill rows through kv.attention: the same output as the reference."""
+    monkeypatch.setenv("TESSERA_KERNELS", "triton")
+    spec, page_size = KVSpec(num_layers=1, num_kv_heads=2, head_dim=16), 4
+    cache = KVCache(spec, num_pages=24, page_size=page_size, dtype=kv_dtype)
+    tables = [[3, 9, 1, 7], [0, 2], [5, 6, 4, 8, 10], [11]]
+    context, query = [14, 6, 17, 3], [1, 6, 1, 2]  # two decode rows, two prefill chunks
+    meta = AttentionMetadata.build(tables, context, query, page_size)
+    # Fill every cached position through the cache's own write path (dynamic FP8 scales per page).
+    full = AttentionMetadata.build(tables, context, context, page_size)
+    gen = torch.Generator().manual_seed(0)
+    cache.write(
+        0,
+        torch.randn(full.num_tokens, 2, 16, generator=gen),
+        torch.randn(full.num_tokens, 2, 16, generator=gen),
+        full.slot_mapping,
+        full.spans,
+    )
+    q = torch.randn(meta.num_tokens, 4, 16, generator=gen)
+    k_slots, v_slots = cache.layer(0)
+    args = (k_slots, v_slots, meta, 0.25, None, *cache.layer_scales(0))
+    assert_matches(paged_attention(q, *args), kv_paged_attention(q, *args), 1e-5)
+
+
+def test_kv_write_bf16_scatters_exactly():
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.zeros(40, 2, 24, dtype=torch.bfloat16)
+    expected = slots.clone()
+    mapping = torch.randperm(40, generator=gen)[:9]
+    x = torch.randn(9, 2, 24, generator=gen).to(torch.bfloat16)  # already bf16: no rounding involved
+    write_kv_triton(x, slots, mapping, None, 4)
+    write_kv_reference(x, expected, mapping, None, 4)
+    assert torch.equal(slots, expected)
+
+
+def test_kv_write_fp8_matches_reference_except_the_interpreters_carry_bug():
+    gen = torch.Generator().manual_seed(1)
+    page_size, pages = 4, 16
+    page_scale = torch.exp2(torch.randint(-4, 3, (pages,), generator=gen).float())
+    mapping = torch.randperm(pages * page_size, generator=gen)[:20]
+    token_scale = page_scale[mapping // page_size][:, None, None]
+    grid = torch.randn(20, 2, 32, generator=gen).clamp(-3, 3) * 100
+    exact = grid.to(torch.float8_e4m3fn).float() * token_scale  # x / scale is an e4m3 value: no rounding
+    randomish = torch.randn(20, 2, 32, generator=gen) * token_scale * 50
+    for x, must_be_exact in ((exact, True), (randomish, False)):
+        out = torch.zeros(pages * page_size, 2, 32, dtype=torch.uint8)
+        ref = out.clone()
+        write_kv_triton(x, out, mapping, page_scale, page_size)
+        write_kv_reference(x, ref, mapping, page_scale, page_size)
+        wrong = out != ref
+        if must_be_exact:
+            assert not wrong.any()
+            continue
+        got = out[wrong].view(torch.float8_e4m3fn).float()
+        want = ref[wrong].view(torch.float8_e4m3fn).float()
+        # Torch rounded up into the next binade (a power of two); the interpreter kept the old exponent
+        # with a zero mantissa: exactly half. Anything else would be a kernel bug.
+        assert torch.equal(want.abs(), torch.exp2(torch.log2(want.abs()).round()))
+        assert torch.equal(got, want / 2)
+        assert wrong.float().mean() < 0.1
+
+
+def test_int4_engine_on_kernels_generates_the_reference_tokens(tiny_llama_dir, tmp_path, monkeypatch):
+    """The engine's linear layers on the W4A16 kernel (interpreted) and on the torch reference agree."""
+    quantize_checkpoint(tiny_llama_dir, tmp_path / "int4", "int4", group_size=32)
+    config = EngineConfig(dtype="float32", kv_budget_bytes=2**20, page_size=4)
+    prompts = [[random.Random(s).randrange(2, 120) for _ in range(7 + s)] for s in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    monkeypatch.setenv("TESSERA_KERNELS", "reference")
+    reference = [
+        o.token_ids for o in Engine.from_pretrained(tmp_path / "int4", config).generate(prompts, params)
+    ]
+    monkeypatch.setenv("TESSERA_KERNELS", "triton")
+    kernels = [
+        o.token_ids for o in Engine.from_pretrained(tmp_path / "int4", config).generate(prompts, params)
+    ]
+    assert kernels == reference
