@@ -221,11 +221,6 @@ def test_invalid_deployment_config_exits_nonzero_with_every_problem(migrated, ch
     migrated("deployments", "create", "m", "--checkpoint", checkpoint)
     result = migrated("deployments", "update", "m", "--page-size", "24", "--decode-kv", "fp4")
     assert_clean_error(result, "page_size: must be a power of two", "decode_kv: Input should be")
-    assert_clean_error(
-        migrated("deployments", "create", "q", "--checkpoint", checkpoint, "--decode-weights", "int4"),
-        "decode_weights=int4 needs a checkpoint converted to int4",
-        "tessera quantize",
-    )
     assert_clean_error(migrated("deployments", "update", "m"), "nothing to update")
     assert_clean_error(migrated("deployments", "show", "ghost"), "no deployment named 'ghost'")
     assert_clean_error(migrated("deployments", "create", "m", "--checkpoint", checkpoint), "already exists")

@@ -435,23 +435,32 @@ def test_max_tokens_limit_must_fit_in_the_context(checkpoint):
         tenancy.validate_deployment({"name": "m", "checkpoint": str(checkpoint), "max_model_len": 2048})
 
 
-def test_int4_weights_need_a_checkpoint_converted_to_int4(session, checkpoint, tmp_path):
-    with pytest.raises(
-        tenancy.InvalidConfig,
-        match=r"decode_weights=int4 needs a checkpoint converted to int4.*"
-        r"no quantization_config.*tessera quantize",
-    ):
-        tenancy.create_deployment(
-            session, {"name": "m", "checkpoint": str(checkpoint), "decode_weights": "int4"}, actor="t"
-        )
+def test_one_unquantised_checkpoint_serves_fp8_prefill_and_int4_decode(session, checkpoint, tmp_path):
+    created = tenancy.create_deployment(
+        session,
+        {"name": "m", "checkpoint": str(checkpoint), "prefill_weights": "fp8", "decode_weights": "int4"},
+        actor="t",
+    )
+    assert (created.prefill_weights, created.decode_weights) == ("fp8", "int4")
+
+
+def test_a_quantised_checkpoint_serves_only_its_own_format(session, tmp_path):
     fp8 = quantised_checkpoint(tmp_path, "fp8")
-    with pytest.raises(tenancy.InvalidConfig, match="has weights quantised to fp8"):
+    with pytest.raises(tenancy.InvalidConfig, match="decode_weights=int4 cannot load .* quantised to fp8"):
         tenancy.create_deployment(
-            session, {"name": "m", "checkpoint": str(fp8), "decode_weights": "int4"}, actor="t"
+            session,
+            {"name": "m", "checkpoint": str(fp8), "prefill_weights": "fp8", "decode_weights": "int4"},
+            actor="t",
         )
     int4 = quantised_checkpoint(tmp_path, "int4")
+    with pytest.raises(tenancy.InvalidConfig, match="prefill_weights=bf16 cannot load"):
+        tenancy.create_deployment(
+            session, {"name": "m", "checkpoint": str(int4), "decode_weights": "int4"}, actor="t"
+        )
     created = tenancy.create_deployment(
-        session, {"name": "m", "checkpoint": str(int4), "decode_weights": "int4"}, actor="t"
+        session,
+        {"name": "m", "checkpoint": str(int4), "prefill_weights": "int4", "decode_weights": "int4"},
+        actor="t",
     )
     assert created.decode_weights == "int4"
 
@@ -504,11 +513,13 @@ def test_update_refuses_unknown_fields_and_renames(session, checkpoint):
         tenancy.update_deployment(session, "nope", {"page_size": 8}, actor="t")
 
 
-def test_switching_to_int4_decode_rechecks_the_checkpoint(session, checkpoint):
-    tenancy.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
+def test_switching_weight_formats_rechecks_the_checkpoint(session, tmp_path):
+    int4 = quantised_checkpoint(tmp_path, "int4")
+    both = {"prefill_weights": "int4", "decode_weights": "int4"}
+    tenancy.create_deployment(session, {"name": "m", "checkpoint": str(int4), **both}, actor="t")
     tenancy.update_deployment(session, "m", {"max_num_seqs": 4}, actor="t")  # unrelated: no file check
-    with pytest.raises(tenancy.InvalidConfig, match="decode_weights=int4 needs a checkpoint converted"):
-        tenancy.update_deployment(session, "m", {"decode_weights": "int4"}, actor="t")
+    with pytest.raises(tenancy.InvalidConfig, match="decode_weights=fp8 cannot load"):
+        tenancy.update_deployment(session, "m", {"decode_weights": "fp8"}, actor="t")
 
 
 def test_deployments_are_unique_and_listed_by_name(session, checkpoint):

@@ -98,7 +98,7 @@ def test_quantize_writes_a_checkpoint_deployments_accept(demo_model_dir, tmp_pat
     assert {"embed_tokens", "lm_head", "norm", "block_sparse_moe.gate"} <= set(quant["modules_not_converted"])
     assert (dst / "tokenizer.json").read_bytes() == (demo_model_dir / "tokenizer.json").read_bytes()
     assert (dst / "tokenizer_config.json").is_file()
-    check_checkpoint(dst, prefill_weights="bf16", decode_weights="int4")  # the control plane's reader agrees
+    check_checkpoint(dst, prefill_weights="int4", decode_weights="int4")  # the control plane agrees
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
@@ -202,3 +202,10 @@ def test_a_sharded_checkpoint_keeps_its_shards_and_gets_a_new_index(tmp_path):
     model = load_model(tmp_path / "int4")
     assert isinstance(model.model.layers[1].self_attn.q_proj, Int4Linear)
     assert model.model.layers[1].self_attn.q_proj.bias is not None  # Qwen2's biases stay bf16
+
+
+@pytest.mark.parametrize("command", [["quantize"], ["bench", "kernels"], ["bench", "weights"]])
+def test_every_command_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(*command, "--help")
+    assert exit_info.value.code == 0 and "usage: tessera" in capsys.readouterr().out

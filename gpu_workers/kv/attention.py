@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu_workers.kernels import decode_attention as kernel_attention
 from gpu_workers.kv.cache import KVCache, WriteSpans
 from gpu_workers.kv.formats import dequantize_fp8
 
@@ -178,4 +179,6 @@ class PagedAttention:
         self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
         k_slots, v_slots = self.cache.layer(layer)
         k_scale, v_scale = self.cache.layer_scales(layer)
-        return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)
+        return kernel_attention.paged_attention(
+            q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale
+        )

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
+from gpu_workers.kernels.kv_write import write_kv
 from gpu_workers.kv.formats import (
     SCALE_DTYPE,
     KVScales,
     fp8_scale_pow2,
     is_fp8,
-    quantize_fp8,
     storage_dtype,
 )
 from gpu_workers.kv.spec import KVSpec
@@ -144,8 +144,8 @@ class KVCache:
         """
         k_slots, v_slots = self.layer(layer)
         if not self.quantized:
-            k_slots[slot_mapping] = k.to(self.dtype)
-            v_slots[slot_mapping] = v.to(self.dtype)
+            write_kv(k, k_slots, slot_mapping, None, self.page_size)
+            write_kv(v, v_slots, slot_mapping, None, self.page_size)
             return
         if slot_mapping.numel() == 0:
             return
@@ -153,7 +153,7 @@ class KVCache:
         for x, slots, page_scale in ((k, k_slots, self.k_scale[layer]), (v, v_slots, self.v_scale[layer])):
             if self.static_scales is None:
                 self._open_pages(x, slot_mapping, pages, page_scale, spans)
-            slots[slot_mapping] = quantize_fp8(x, page_scale[pages][:, None, None])
+            write_kv(x, slots, slot_mapping, page_scale, self.page_size)
 
     def _open_pages(
         self,

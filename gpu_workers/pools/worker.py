@@ -37,6 +37,7 @@ def engine_config(spec: DeploymentSpec, pool: str, secret: bytes, device: str = 
         max_model_len=spec.max_model_len,
         device=device,
         kv_cache_dtype=spec.decode_kv if pool == "decode" else spec.prefill_kv,
+        weights=spec.decode_weights if pool == "decode" else spec.prefill_weights,
         integrity_check=spec.integrity_check,
         prefix_cache=spec.prefix_cache,
         prefix_cache_secret=secret,

@@ -70,7 +70,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     kernels.add_argument(
         "--attn-batch", type=int, metavar="B", help="decode sequences (default 16 GPU, 2 CPU)"
     )
-    kernels.add_argument("--peak-gbs", type=float, metavar="GB/s", help="memory bandwidth to report % of")
+    kernels.add_argument(
+        "--peak-gbs",
+        type=float,
+        metavar="GB/s",
+        help="memory bandwidth, GB/s, that %% of peak is reported against",
+    )
     kernels.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     kernels.add_argument(
         "--threads",

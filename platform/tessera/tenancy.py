@@ -236,7 +236,7 @@ def validate_deployment(values: Mapping[str, Any] | DeploymentConfig) -> Deploym
 
 
 def check_checkpoint(checkpoint: str | Path, prefill_weights: str, decode_weights: str) -> None:
-    """The checkpoint folder has a config.json, and a quantised weight format has a checkpoint converted to it.
+    """The checkpoint folder has a config.json, and can give each phase's weight format.
 
     Runs where the control plane runs: when checkpoints exist only on worker hosts, callers skip it.
     """
@@ -253,13 +253,18 @@ def check_checkpoint(checkpoint: str | Path, prefill_weights: str, decode_weight
         raise InvalidConfig(f"cannot read {config_path}: {exc}") from None
     quant = config.get("quantization_config") if isinstance(config, dict) else None
     found = quant.get("format") if isinstance(quant, dict) else None
+    # Workers quantise an unquantised checkpoint as they load it, so one checkpoint can serve fp8 prefill
+    # and int4 decode; a converted checkpoint serves only its own format.
     for phase, weights in (("prefill", prefill_weights), ("decode", decode_weights)):
-        if weights != "bf16" and found != weights:
-            has = f"weights quantised to {found}" if found else "no quantization_config (unquantised weights)"
+        if found is not None and found != weights:
+            hint = (
+                "point the deployment at the unquantised checkpoint (workers quantise it as they load)"
+                if weights != "bf16"
+                else "point the deployment at the unquantised checkpoint"
+            )
             raise InvalidConfig(
-                f"{phase}_weights={weights} needs a checkpoint converted to {weights}, but {config_path} has "
-                f"{has}: run `tessera quantize {checkpoint} DST --weights {weights}` and use DST as the "
-                "checkpoint"
+                f"{phase}_weights={weights} cannot load {config_path}: its weights are already quantised to "
+                f"{found}; {hint}, or set {phase}_weights={found}"
             )
 
 
