@@ -230,3 +230,14 @@ def test_seed_figures_glm_int4_checkpoint_and_kv_room():
     free = (140 - 25.9 - 421 / 8) * GIB
     assert free / glm.kv.bytes_per_token("fp8_e4m3", gpus=8) == pytest.approx(1.18e6, rel=0.02)
     assert free / glm.kv.bytes_per_token("bf16", gpus=8) == pytest.approx(0.59e6, rel=0.02)
+
+
+def test_a_quantised_checkpoint_counts_the_weights_it_holds(demo_model_dir, tmp_path):
+    from gpu_workers.kv import capacity
+    from gpu_workers.quant.checkpoint import quantize_checkpoint
+
+    original = capacity.checkpoint_model(demo_model_dir)
+    for fmt in ("int4", "fp8"):
+        quantize_checkpoint(demo_model_dir, tmp_path / fmt, fmt)
+        converted = capacity.checkpoint_model(tmp_path / fmt)
+        assert converted.tensors == original.tensors

@@ -223,8 +223,11 @@ def checkpoint_model(path: str | Path) -> ModelShapes:
     tensors: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(path):
         for name, shape in _safetensors_shapes(file).items():
-            # A checkpoint's own quantisation scales are replaced by the target format's.
-            if not name.endswith(("_scale_inv", "_scale")):
+            # A checkpoint's own quantisation scales and zeros are replaced by the target format's; packed
+            # int4 weights ([out, in/2] bytes) count as the [out, in] weight they hold.
+            if name.endswith("_packed"):
+                tensors[name.removesuffix("_packed")] = (*shape[:-1], shape[-1] * 2)
+            elif not name.endswith(("_scale_inv", "_scale", "_zero")):
                 tensors[name] = shape
     return ModelShapes(path.name, tensors, kv_layout(config))
 
