@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from tessera.bench_gateway import FIXED_REPLY, add_commands, bare_app, main
+from tessera.bench_gateway import FIXED_REPLY, add_commands, bare_app
+from tessera.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {
@@ -55,7 +56,7 @@ def test_bare_app_answers_a_chat_body_with_the_fixed_reply():
 
 @pytest.mark.slow
 def test_gateway_bench_reports_both_servers_at_tiny_sizes(capsys):
-    code = main(["gateway", "--requests", "12", "--concurrency", "3", "--rounds", "2", "--json"])
+    code = main(["bench", "gateway", "--requests", "12", "--concurrency", "3", "--rounds", "2", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(captured.out)

@@ -14,13 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tessera.bench_kv import add_commands, main
+from tessera.bench_kv import add_commands
+from tessera.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_bench(capsys, *args: str) -> dict:
-    code = main([*args, "--threads", "1", "--json"])
+    code = main(["bench", *args, "--threads", "1", "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(captured.out)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
+
+from gpu_workers.model.tokenizer import train_byte_level_bpe
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -153,18 +155,4 @@ def train_stdlib_tokenizer(vocab_size: int) -> Tokenizer:
         raise FileNotFoundError(
             f"none of {STDLIB_TRAINING_FILES} found under {stdlib}; is the stdlib installed?"
         )
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    # Like Llama's tokenizer: encoding text prepends BOS; chat templates write it themselves.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", BOS_ID)]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
+    return train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)

@@ -146,3 +146,30 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def train_byte_level_bpe(
+    texts: list[str], vocab_size: int, special_tokens: list[str]
+) -> tokenizers.Tokenizer:
+    """A byte-level BPE (GPT-2 pre-tokenisation, so any text encodes) trained on ``texts``.
+
+    ``special_tokens[0]`` is BOS (id 0); encoding prepends it, like Llama's tokenizer, while chat templates
+    write it themselves.
+    """
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    bos = special_tokens[0]
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=special_tokens,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer

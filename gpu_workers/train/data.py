@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
+
+from gpu_workers.model.tokenizer import train_byte_level_bpe
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -68,21 +70,8 @@ def is_heldout(relative_path: str, percent: int) -> bool:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 pre-tokenisation, so any text encodes); encoding prepends <|bos|> like Llama."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", BOS_ID)]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
+    """Byte-level BPE over the training split; encoding prepends <|bos|> like Llama."""
+    return train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
 
 
 def token_stream(tokenizer: Tokenizer, texts: list[str]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date
 from importlib.metadata import version
@@ -97,24 +97,6 @@ def add_commands(benches: argparse._SubParsersAction) -> None:
     )
     gateway.add_argument("--json", action="store_true", help="print the report as JSON")
     gateway.set_defaults(func=cmd_gateway)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the bench without the main CLI: ``main(["gateway", "--requests", "100"])``."""
-    from tessera.cli import CliError
-
-    parser = argparse.ArgumentParser(prog="tessera bench", description="Gateway benchmark.")
-    add_commands(parser.add_subparsers(dest="bench", required=True, metavar="BENCH"))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except CliError as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except (ValueError, OSError) as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:
@@ -750,7 +732,3 @@ def _tables(report: dict) -> list:
 
 def _cell(spread: dict, fmt: str) -> str:
     return f"{spread['median']:{fmt}} [{spread['min']:{fmt}}, {spread['max']:{fmt}}]"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

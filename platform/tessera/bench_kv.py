@@ -104,24 +104,6 @@ def _common_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of K
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one of these benches without the main CLI: ``main(["integrity", "--model", DIR])``."""
-    from tessera.cli import CliError
-
-    parser = argparse.ArgumentParser(prog="tessera bench", description="KV cache benchmarks.")
-    add_commands(parser.add_subparsers(dest="bench", required=True, metavar="BENCH"))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except CliError as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except (ValueError, OSError) as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
 # -- the commands ---------------------------------------------------------------------------------
 
 
@@ -732,7 +714,3 @@ def _kv_formats_table(report: dict) -> list:
         )
         + f"; peak tok/s fp8/bf16 = {report['peak_ratio_fp8_over_bf16']:.2f}x",
     ]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
