@@ -217,7 +217,7 @@ class Engine:
             self._counters["computed_tokens"] += sum(batch.num_new_tokens)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 seq.num_computed += n
-                self.pages.publish(seq.table, seq.tokens(0, seq.num_computed), seq.num_computed)
+                self.pages.publish(seq.table, seq.tokens, seq.num_computed)
             sampling = [batch.seqs[r] for r in rows]
             tokens = sample(
                 logits,

@@ -54,7 +54,13 @@ class Sequence:
         return self.prompt_ids[index] if index < n else self.output_ids[index - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        """Token ids [start, end) of prompt + output, copying only that range (called every step)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def text(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_workers.kv.integrity import IntegrityTracker, NullIntegrityTracker
@@ -99,12 +100,16 @@ class PageManager:
             self.prefix_cache.query_tokens += prompt_tokens
             self.prefix_cache.hit_tokens += hit_tokens
 
-    def publish(self, table: PageTable, tokens: list[int], num_computed: int) -> None:
-        """Add the table's pages that are now full and computed to the prefix cache."""
+    def publish(self, table: PageTable, tokens: Callable[[int, int], list[int]], num_computed: int) -> None:
+        """Add the table's pages that are now full and computed to the prefix cache.
+
+        ``tokens(start, end)`` gives the sequence's token ids; only newly full pages are read, so the
+        per-step cost does not grow with the sequence.
+        """
         if self.prefix_cache is None:
             return
         for i in range(len(table.hashes), num_computed // self.page_size):
-            chunk = tokens[i * self.page_size : (i + 1) * self.page_size]
+            chunk = tokens(i * self.page_size, (i + 1) * self.page_size)
             h = page_hash(table.salt, table.hashes[-1] if table.hashes else b"", chunk)
             self.prefix_cache.insert(table.pages[i], h, chunk)
             table.hashes.append(h)
