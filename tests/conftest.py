@@ -35,7 +35,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory):
     """The demo checkpoint `tessera init-model` writes: random Llama weights plus a real BPE tokenizer."""
-    from gpu_workers.model.demo_checkpoint import write_demo_checkpoint
+    from gpu_workers.tools.demo_checkpoint import write_demo_checkpoint
 
     path = tmp_path_factory.mktemp("demo-model")
     write_demo_checkpoint(path, seed=0)

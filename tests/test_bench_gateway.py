@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from tessera.bench_gateway import FIXED_REPLY, add_commands, bare_app
+from tessera.bench.gateway_harness import FIXED_REPLY, bare_app
 from tessera.cli import main
+from tessera.cli.bench import add_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {
@@ -31,7 +32,7 @@ METRICS = {
 
 def test_bench_module_imports_without_torch_or_servers():
     code = (
-        "import sys, tessera.bench_gateway; "
+        "import sys, tessera.bench.gateway, tessera.bench.gateway_harness; "
         "assert not {'torch', 'fastapi', 'httpx', 'uvicorn'} & set(sys.modules), sys.modules.keys()"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
@@ -40,8 +41,8 @@ def test_bench_module_imports_without_torch_or_servers():
 
 def test_add_commands_registers_gateway_with_its_defaults():
     parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers(dest="bench"))
-    args = parser.parse_args(["gateway", "--concurrency", "4", "--json"])
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "gateway", "--concurrency", "4", "--json"])
     assert callable(args.func) and args.json
     assert (args.requests, args.concurrency, args.rounds) == (1000, 4, 5)
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tessera.bench_kv import add_commands
 from tessera.cli import main
+from tessera.cli.bench import add_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,16 +28,16 @@ def run_bench(capsys, *args: str) -> dict:
 
 
 def test_bench_module_imports_without_torch():
-    code = "import sys, tessera.bench_kv; assert 'torch' not in sys.modules"
+    code = "import sys, tessera.bench.integrity, tessera.bench.prefix, tessera.bench.kv_formats; assert 'torch' not in sys.modules"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "platform")}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
 def test_add_commands_registers_the_three_benches():
     parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers(dest="bench"))
+    add_commands(parser.add_subparsers(dest="command"))
     for bench in ("integrity", "prefix", "kv-formats"):
-        args = parser.parse_args([bench, "--model", "m", "--json"])
+        args = parser.parse_args(["bench", bench, "--model", "m", "--json"])
         assert callable(args.func) and args.json
 
 

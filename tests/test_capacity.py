@@ -10,14 +10,14 @@ import pytest
 import torch
 import transformers
 
-from gpu_workers.kv import capacity as cap
+from gpu_workers.tools import capacity as cap
 from tests.hf_models import save_tiny
 
 GIB = 2**30
 
 
 def run_capacity(capsys, *argv: str) -> str:
-    from tessera.cli_kv import add_commands
+    from tessera.cli.kv import add_commands
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers())
@@ -233,8 +233,8 @@ def test_seed_figures_glm_int4_checkpoint_and_kv_room():
 
 
 def test_a_quantised_checkpoint_counts_the_weights_it_holds(demo_model_dir, tmp_path):
-    from gpu_workers.kv import capacity
-    from gpu_workers.quant.checkpoint import quantize_checkpoint
+    from gpu_workers.tools import capacity
+    from gpu_workers.tools.quantize import quantize_checkpoint
 
     original = capacity.checkpoint_model(demo_model_dir)
     for fmt in ("int4", "fp8"):

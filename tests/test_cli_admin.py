@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from tessera import auth, cli, cli_admin, db
+from tessera import auth, cli, db
+from tessera.cli import admin as cli_admin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,8 +246,8 @@ def test_tables_are_printed_without_json(migrated, checkpoint):
 
 
 def test_importing_the_admin_cli_stays_light():
-    # cli.py imports cli_admin for every `tessera` command: SQLAlchemy, alembic and rich load only when used.
-    code = "import sys, tessera.cli_admin; print(sorted(m for m in ('sqlalchemy', 'alembic', 'rich') if m in sys.modules))"
+    # tessera.cli imports cli.admin for every `tessera` command: SQLAlchemy, alembic and rich load only when used.
+    code = "import sys, tessera.cli.admin; print(sorted(m for m in ('sqlalchemy', 'alembic', 'rich') if m in sys.modules))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

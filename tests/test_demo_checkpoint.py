@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from gpu_workers.model.demo_checkpoint import BOS_ID, EOS_ID, write_demo_checkpoint
+from gpu_workers.tools.demo_checkpoint import BOS_ID, EOS_ID, write_demo_checkpoint
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig
-from gpu_workers.eval.quality import (
+from gpu_workers.tools.eval.quality import (
     EvalSettings,
     FileStats,
     completes_function,
     run_quality,
     summarize,
 )
-from gpu_workers.eval.scoring import score_logprobs
+from gpu_workers.tools.eval.scoring import score_logprobs
 
 SMALL = EvalSettings(
     max_files=1,
@@ -67,7 +67,7 @@ def test_baseline_against_itself_agrees_exactly(demo_model_dir):
 
 
 def test_json_has_every_variant_and_reports_a_bad_one(demo_model_dir, capsys):
-    from tessera import cli_eval
+    from tessera.cli import eval as cli_eval
 
     parser = argparse.ArgumentParser()
     cli_eval.add_commands(parser.add_subparsers())

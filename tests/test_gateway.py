@@ -30,7 +30,6 @@ from tessera.app import create_app
 from tessera.models import RequestRecord
 from tessera.settings import Settings
 
-from gpu_workers.model.tokenizer import load_tokenizer
 from gpu_workers.protocol import (
     STREAM_FIELD,
     TASK_PREFILL,
@@ -43,6 +42,7 @@ from gpu_workers.protocol import (
     worker_queue,
     workers_key,
 )
+from gpu_workers.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 128  # the test deployments' max_model_len
@@ -264,7 +264,7 @@ def wait_for(predicate: Callable[[], object], timeout_s: float = 5.0):
 
 
 def test_importing_the_app_does_not_import_torch():
-    code = "import sys, tessera.app, tessera.launcher, tessera.cli_serve; assert 'torch' not in sys.modules"
+    code = "import sys, tessera.app, tessera.launcher, tessera.cli.serve; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -444,7 +444,7 @@ def test_rendezvous_moves_only_the_keys_of_a_removed_worker():
 
 
 def test_affinity_key_is_the_session_header_else_the_first_page_and_tenant_salted():
-    a, b = routing.tenant_salt(b"k" * 32, "tenant-a"), routing.tenant_salt(b"k" * 32, "tenant-b")
+    a, b = routing.affinity_salt(b"k" * 32, "tenant-a"), routing.affinity_salt(b"k" * 32, "tenant-b")
     prompt = list(range(40))
     same_page = prompt[:16] + [999] * 24
     assert routing.affinity_key(a, None, prompt, 16) == routing.affinity_key(a, None, same_page, 16)

@@ -10,7 +10,7 @@ import pytest
 import redis
 import torch
 
-from gpu_workers.kv.formats import quantize_fp8
+from gpu_workers.formats.fp8 import quantize_fp8
 from gpu_workers.kv.transfer import KVBlock
 from gpu_workers.pools.handoff import HandoffMissing, HandoffStore, colocated_decode, deserialize, serialize
 from gpu_workers.protocol import HANDOFF_TTL_S, KVHandoff, WorkerInfo, pool_queue, worker_queue, workers_key

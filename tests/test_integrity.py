@@ -7,8 +7,8 @@ import random
 import pytest
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.kv.faults import reassign_live_page
 from gpu_workers.kv.integrity import IntegrityTracker, NullIntegrityTracker
+from gpu_workers.tools.faults import reassign_live_page
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # tiny_llama: layers * (K, V) * kv_heads * head_dim * fp32

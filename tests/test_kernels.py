@@ -23,22 +23,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gpu_workers import Engine, EngineConfig, SamplingParams  # noqa: E402
-from gpu_workers.kernels.decode_attention import (  # noqa: E402
-    paged_attention,
-    paged_decode_attention_reference,
-)
-from gpu_workers.kernels.decode_attention_triton import paged_decode_attention_triton  # noqa: E402
-from gpu_workers.kernels.fp8_gemm import fp8_linear_reference  # noqa: E402
-from gpu_workers.kernels.fp8_gemm_triton import fp8_linear_triton  # noqa: E402
-from gpu_workers.kernels.int4_gemm import int4_linear_reference  # noqa: E402
-from gpu_workers.kernels.int4_gemm_triton import int4_linear_triton  # noqa: E402
+from gpu_workers.formats.fp8 import quantize_fp8  # noqa: E402
+from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
+from gpu_workers.kernels.fp8_linear_triton import fp8_linear_triton  # noqa: E402
+from gpu_workers.kernels.int4_linear_triton import int4_linear_triton  # noqa: E402
 from gpu_workers.kernels.kv_write import write_kv_reference  # noqa: E402
 from gpu_workers.kernels.kv_write_triton import write_kv_triton  # noqa: E402
+from gpu_workers.kernels.paged_attention import (  # noqa: E402
+    paged_attention,
+    paged_attention_reference,
+    paged_decode_attention_reference,
+)
+from gpu_workers.kernels.paged_attention_triton import paged_decode_attention_triton  # noqa: E402
+from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference  # noqa: E402
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
-from gpu_workers.kv import paged_attention as kv_paged_attention  # noqa: E402
-from gpu_workers.kv.formats import quantize_fp8  # noqa: E402
-from gpu_workers.quant.checkpoint import quantize_checkpoint  # noqa: E402
-from gpu_workers.quant.formats import quantize_fp8_weight, quantize_int4  # noqa: E402
+from gpu_workers.tools.quantize import quantize_checkpoint  # noqa: E402
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, relative: float) -> None:
@@ -147,7 +146,7 @@ def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_d
     q = torch.randn(meta.num_tokens, 4, 16, generator=gen)
     k_slots, v_slots = cache.layer(0)
     args = (k_slots, v_slots, meta, 0.25, None, *cache.layer_scales(0))
-    assert_matches(paged_attention(q, *args), kv_paged_attention(q, *args), 1e-5)
+    assert_matches(paged_attention(q, *args), paged_attention_reference(q, *args), 1e-5)
 
 
 def test_kv_write_bf16_scatters_exactly():

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers.formats.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_scale_pow2
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention
-from gpu_workers.kv.calibrate import measure_kv_amax
-from gpu_workers.kv.formats import FP8_DTYPE, FP8_MAX, KVScales, dequantize_fp8, fp8_scale_pow2
-from gpu_workers.model import load_model, load_tokenizer
+from gpu_workers.kv.scales import KVScales
+from gpu_workers.model import load_model
+from gpu_workers.tokenizer import load_tokenizer
+from gpu_workers.tools.calibrate import measure_kv_amax
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
 PROMPT_LEN, DECODE_STEPS = 32, 24
@@ -285,7 +287,7 @@ def test_fp8_admits_at_least_1_9x_the_tokens_of_bf16_in_the_same_budget(tiny_lla
 
 @pytest.fixture(scope="module")
 def demo_scales_file(demo_model_dir, tmp_path_factory):
-    from gpu_workers.kv.calibrate import calibrate
+    from gpu_workers.tools.calibrate import calibrate
 
     path = tmp_path_factory.mktemp("scales") / "scales.json"
     calibrate(demo_model_dir, max_tokens=512, window=256).save(path)
@@ -331,7 +333,7 @@ def test_measure_kv_amax_sees_every_layer(tiny_llama_dir):
 
 
 def test_calibrate_command_writes_a_scales_file(demo_model_dir, tmp_path):
-    from tessera.cli_kv import add_commands
+    from tessera.cli.kv import add_commands
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers())

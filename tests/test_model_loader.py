@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.kv import KVSpec
-from gpu_workers.model import ModelConfig, ModelLoadError, load_model
+from gpu_workers.model import load_model
 from tests.hf_models import Checkpoint, random_tokens, run_paged, save_tiny
 
 PROMPT = random_tokens(10, seed=3)

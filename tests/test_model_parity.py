@@ -16,7 +16,8 @@ import transformers
 from safetensors import safe_open
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from gpu_workers.model import ModelConfig, load_model
+from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.model import load_model
 from gpu_workers.model.rotary import inverse_frequencies
 from tests.hf_models import CASES, Checkpoint, random_tokens, run_paged, save_tiny
 

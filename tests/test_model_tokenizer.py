@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from gpu_workers.model import ChatTemplateError, load_tokenizer
+from gpu_workers.tokenizer import ChatTemplateError, load_tokenizer
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<|im_end|>"]
 BOS, EOS, IM_END = 1, 2, 3
@@ -145,7 +145,8 @@ def test_folder_without_tokenizer_json_has_no_tokenizer(tmp_path):
 def test_tokenizer_and_config_import_without_torch():
     # The gateway stays torch-free while it tokenises prompts and reads model limits.
     code = (
-        "import sys; from gpu_workers.model import load_tokenizer, ModelConfig, ModelLoadError; "
+        "import sys; from gpu_workers.tokenizer import load_tokenizer; "
+        "from gpu_workers.checkpoint import ModelConfig, ModelLoadError; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

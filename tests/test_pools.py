@@ -23,7 +23,6 @@ import pytest
 import redis
 
 from gpu_workers import Engine, SamplingParams
-from gpu_workers.pools.app import connect_redis, make_app
 from gpu_workers.pools.inflight import inflight_key
 from gpu_workers.pools.stream import RequestStream, lease_key
 from gpu_workers.pools.tasks import TaskRunner
@@ -40,6 +39,8 @@ from gpu_workers.protocol import (
     Sampling,
     WorkerInfo,
     cancel_key,
+    connect_redis,
+    make_celery,
     stream_key,
     worker_queue,
     workers_key,
@@ -124,7 +125,7 @@ def test_app_and_streams_work_over_embedded_redis_socket(tmp_path):
     try:
         url = f"redis+socket://{server.socket_file}"
         c = connect_redis(url)
-        make_app(url).send_task(TASK_SERVE, args=["{}"], queue="tessera.embedded.serve")
+        make_celery(url).send_task(TASK_SERVE, args=["{}"], queue="tessera.embedded.serve")
         assert c.llen("tessera.embedded.serve") == 1
         stream = RequestStream(c, "r1", "w1")
         assert stream.claim()
@@ -143,7 +144,7 @@ def local(client, namespace, demo_model_dir):
     engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "serve", SECRET))
     engine.start()
     runner = TaskRunner(
-        engine, client, make_app(REDIS_URL), worker_id=f"{namespace}-local", pool="serve", host="h"
+        engine, client, make_celery(REDIS_URL), worker_id=f"{namespace}-local", pool="serve", host="h"
     )
     yield spec, runner
     engine.stop()
@@ -365,7 +366,7 @@ def cluster(client, namespace, demo_model_dir, tmp_path_factory):
 def test_colocated_worker_streams_the_offline_engines_greedy_tokens(client, cluster):
     workers, serve, _, ids = cluster
     task = make_task(serve, max_tokens=16)
-    make_app(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
+    make_celery(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
     events = read_stream(client, task.request_id)
     assert events[-1].kind == "final" and events[-1].finish_reason == "length"
     assert tokens_of(events) == offline(serve, 16)
@@ -376,7 +377,7 @@ def test_colocated_worker_streams_the_offline_engines_greedy_tokens(client, clus
 def test_disaggregated_prefill_hands_fp8_kv_to_decode_and_the_stream_continues(client, cluster):
     workers, _, disagg, ids = cluster
     task = make_task(disagg, max_tokens=10, decode_queue=disagg.queue("decode"))
-    make_app(REDIS_URL).send_task(TASK_PREFILL, args=[task.to_json()], queue=disagg.queue("prefill"))
+    make_celery(REDIS_URL).send_task(TASK_PREFILL, args=[task.to_json()], queue=disagg.queue("prefill"))
     events = read_stream(client, task.request_id)
     assert [e.kind for e in events] == ["token"] * 10 + ["final"]
     assert [e.worker_id for e in events] == [ids["prefill"]] + [ids["decode"]] * 10
@@ -423,7 +424,7 @@ def handoff_reference(spec: DeploymentSpec, max_tokens: int) -> list[int]:
 def test_client_disconnect_aborts_on_the_worker_and_its_pages_are_freed(client, cluster):
     workers, serve, _, ids = cluster
     task = make_task(serve, max_tokens=LONG)
-    make_app(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
+    make_celery(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
     read_stream(client, task.request_id, stop_after_tokens=3)
     client.set(cancel_key(task.request_id), 1, ex=60)
     events = read_stream(client, task.request_id)
@@ -437,14 +438,14 @@ def test_client_disconnect_aborts_on_the_worker_and_its_pages_are_freed(client, 
 def test_deadline_exceeded_on_a_worker(client, cluster):
     _, serve, _, ids = cluster
     task = make_task(serve, max_tokens=LONG, deadline_s=1.0)
-    make_app(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
+    make_celery(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(ids["survivor"]))
     events = read_stream(client, task.request_id)
     assert events[-1].kind == "error" and events[-1].error["code"] == "deadline_exceeded"
 
 
 def test_killed_worker_fails_its_stream_once_and_its_queued_tasks_run_on_a_peer(client, cluster):
     workers, serve, _, ids = cluster
-    app = make_app(REDIS_URL)
+    app = make_celery(REDIS_URL)
     cut = make_task(serve, max_tokens=LONG)
     app.send_task(TASK_SERVE, args=[cut.to_json()], queue=worker_queue(ids["victim"]))
     seen = read_stream(client, cut.request_id, stop_after_tokens=3)

@@ -6,7 +6,7 @@ import random
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.kv import prefix_cache as pc
-from gpu_workers.kv.prefix_cache import PrefixCache, tenant_salt
+from gpu_workers.kv.prefix_cache import PrefixCache, prefix_cache_salt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 4
@@ -93,10 +93,10 @@ def test_hash_collision_is_caught_by_comparing_token_ids(monkeypatch):
 
 def test_tenant_salts_are_stable_per_tenant_and_private_without_one():
     secret = b"k" * 32
-    assert tenant_salt(secret, "acme") == tenant_salt(secret, "acme")
-    assert tenant_salt(secret, "acme") != tenant_salt(secret, "globex")
-    assert tenant_salt(secret, "acme") != tenant_salt(b"x" * 32, "acme")
-    assert tenant_salt(secret, None) != tenant_salt(secret, None)
+    assert prefix_cache_salt(secret, "acme") == prefix_cache_salt(secret, "acme")
+    assert prefix_cache_salt(secret, "acme") != prefix_cache_salt(secret, "globex")
+    assert prefix_cache_salt(secret, "acme") != prefix_cache_salt(b"x" * 32, "acme")
+    assert prefix_cache_salt(secret, None) != prefix_cache_salt(secret, None)
 
 
 def test_disabled_prefix_cache_reports_zero(tiny_llama_dir):

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
-from tessera import cli_quant
+from tessera.cli import build_parser
 from tessera.tenancy import check_checkpoint
 from torch import nn
 
-from gpu_workers.kv import capacity
-from gpu_workers.model import ModelLoadError, load_model
-from gpu_workers.quant.checkpoint import quantize_checkpoint
-from gpu_workers.quant.config import QuantConfig
-from gpu_workers.quant.formats import (
-    FP8_MAX,
+from gpu_workers.checkpoint import ModelLoadError
+from gpu_workers.formats.fp8 import FP8_MAX
+from gpu_workers.formats.weights import (
     dequantize_fp8_weight,
     dequantize_int4,
     pack_int4,
@@ -24,18 +20,18 @@ from gpu_workers.quant.formats import (
     quantize_int4,
     unpack_int4,
 )
+from gpu_workers.model import load_model
+from gpu_workers.quant.config import QuantConfig
 from gpu_workers.quant.linear import Fp8Linear, Int4Linear
-from gpu_workers.quant.quality import compare_models, token_windows
+from gpu_workers.tools import capacity
+from gpu_workers.tools.metrics import compare_models, token_windows
+from gpu_workers.tools.quantize import quantize_checkpoint
 from tests.hf_models import CASES, random_tokens, save_tiny
 
 
 def run_cli(*argv) -> None:
-    """``tessera <argv>`` with cli_quant's commands registered the way cli.build_parser registers them."""
-    parser = argparse.ArgumentParser(prog="tessera")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("bench").add_subparsers(dest="bench", required=True)
-    cli_quant.add_commands(commands)
-    args = parser.parse_args([str(a) for a in argv])
+    """``tessera <argv>``, parsed by the real parser and run in this process."""
+    args = build_parser().parse_args([str(a) for a in argv])
     args.func(args)
 
 

@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.model import ModelLoadError, load_model, load_tokenizer
-from gpu_workers.quant.checkpoint import quantize_checkpoint
-from gpu_workers.quant.formats import dequantize_fp8_weight, dequantize_int4
+from gpu_workers.checkpoint import ModelLoadError
+from gpu_workers.formats.weights import dequantize_fp8_weight, dequantize_int4
+from gpu_workers.model import load_model
 from gpu_workers.quant.linear import Fp8Linear, Int4Linear
+from gpu_workers.tokenizer import load_tokenizer
+from gpu_workers.tools.quantize import quantize_checkpoint
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def push(self, item):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

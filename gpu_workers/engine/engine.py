@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from gpu_workers.engine import admission
+from gpu_workers.engine.admission import Prompt
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.engine.params import (
     EngineConfig,
@@ -30,12 +32,10 @@ from gpu_workers.engine.sequence import Sequence, Status
 from gpu_workers.kv import KVCache, transfer
 from gpu_workers.kv.integrity import IntegrityTracker
 from gpu_workers.kv.manager import PageManager
-from gpu_workers.kv.prefix_cache import PrefixCache, tenant_salt
-from gpu_workers.kv.transfer import KV_FORMATS, KVBlock
+from gpu_workers.kv.prefix_cache import PrefixCache, prefix_cache_salt
+from gpu_workers.kv.transfer import KVBlock
 
 log = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class Engine:
@@ -87,7 +87,8 @@ class Engine:
         cls, path: str | Path, config: EngineConfig | None = None, progress: bool = False
     ) -> Engine:
         """Load an HF checkpoint folder (config.json, safetensors, optional tokenizer.json)."""
-        from gpu_workers.model import load_model, load_tokenizer
+        from gpu_workers.model import load_model
+        from gpu_workers.tokenizer import load_tokenizer
 
         config = config or EngineConfig()
         model = load_model(
@@ -344,28 +345,23 @@ class Engine:
                     raise InvalidRequest(
                         "duplicate_request_id", f"request id {request_id!r} is already running"
                     )
-                seq.prompt_ids = self._prompt_ids(prompt)
-                params.validate()
-                seq.max_tokens = self._max_tokens(len(seq.prompt_ids), params)
-                if params.stop and self.tokenizer is None:
-                    raise InvalidRequest("no_tokenizer", "stop strings need a tokenizer; use stop_token_ids")
-                if export_kv is not None and export_kv not in KV_FORMATS:
-                    raise InvalidRequest(
-                        "invalid_kv_format", f"export_kv must be one of {sorted(KV_FORMATS)}"
-                    )
-                if kv_import is not None and not 0 < kv_import.num_tokens < len(seq.prompt_ids):
-                    raise InvalidRequest(
-                        "invalid_kv_import",
-                        f"an imported KV block must cover fewer tokens than the prompt ({len(seq.prompt_ids)}), "
-                        f"got {kv_import.num_tokens}",
-                    )
+                seq.prompt_ids = admission.prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+                seq.max_tokens = admission.check(
+                    seq.prompt_ids,
+                    params,
+                    self.max_model_len,
+                    self.pages.capacity_tokens,
+                    has_tokenizer=self.tokenizer is not None,
+                    export_kv=export_kv,
+                    kv_import_tokens=None if kv_import is None else kv_import.num_tokens,
+                )
             except InvalidRequest as exc:
                 seq.status = Status.FINISHED
                 seq.finish_reason = "error"
                 seq.error = RequestError(exc.code, exc.message)
                 seq.emit([], "")
                 return seq
-            seq.table.salt = tenant_salt(self._salt_secret, tenant)
+            seq.table.salt = prefix_cache_salt(self._salt_secret, tenant)
             seq.export_kv, seq.kv_import = export_kv, kv_import
             if params.seed is not None:
                 seq.generator = torch.Generator()
@@ -377,62 +373,6 @@ class Engine:
             self.scheduler.add(seq)
             self._work.notify_all()
             return seq
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest(
-                    "no_tokenizer", "this checkpoint has no tokenizer.json; pass the prompt as token ids"
-                )
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, list | tuple):
-            ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(
-                    "invalid_prompt", f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}"
-                )
-        else:
-            raise InvalidRequest(
-                "invalid_prompt", f"a prompt is text or a list of token ids, not {type(prompt).__name__}"
-            )
-        if not ids:
-            raise InvalidRequest("empty_prompt", "the prompt is empty; send at least one token")
-        return ids
-
-    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        context = self.max_model_len
-        capacity = self.pages.capacity_tokens
-        if prompt_len >= context:
-            raise InvalidRequest(
-                "context_length_exceeded",
-                f"the prompt has {prompt_len} tokens but the model's context is {context} tokens, "
-                "including at least one output token; shorten the prompt",
-            )
-        if prompt_len >= capacity:
-            raise InvalidRequest(
-                "kv_budget_exceeded",
-                f"the prompt has {prompt_len} tokens but the whole KV cache holds {capacity}; "
-                "shorten the prompt or give the engine a larger kv_budget_bytes",
-            )
-        limit = min(context, capacity)
-        if params.max_tokens is None:
-            return limit - prompt_len
-        total = prompt_len + params.max_tokens
-        if total > context:
-            raise InvalidRequest(
-                "context_length_exceeded",
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
-                f"of {context}; set max_tokens to at most {context - prompt_len}",
-            )
-        if total > capacity:
-            raise InvalidRequest(
-                "kv_budget_exceeded",
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the KV cache's "
-                f"{capacity} tokens; set max_tokens to at most {capacity - prompt_len} or raise kv_budget_bytes",
-            )
-        return params.max_tokens
 
     def _append_token(self, seq: Sequence, token: int) -> StreamEvent:
         seq.output_ids.append(token)

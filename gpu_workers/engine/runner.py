@@ -1,6 +1,9 @@
-"""Owns the model and the KV tensors; turns a scheduled batch into next-token logits."""
+"""Owns the model and the KV tensors; turns a scheduled batch into next-token logits. Also the single-sequence
+paged forward the offline tools share."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -47,3 +50,39 @@ class ModelRunner:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
         logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
         return last_rows, logits.float().cpu()
+
+
+def sequence_cache(model: torch.nn.Module, num_tokens: int, page_size: int = 16) -> tuple[KVCache, list[int]]:
+    """A private cache in the model's dtype with pages for one sequence of ``num_tokens``, and its table."""
+    param = next(p for p in model.parameters() if p.is_floating_point())
+    num_pages = -(-num_tokens // page_size)
+    return KVCache(model.kv_spec, num_pages, page_size, param.dtype, param.device), list(range(num_pages))
+
+
+@torch.inference_mode()
+def forward_sequence(
+    model: torch.nn.Module,
+    cache: KVCache,
+    pages: list[int],
+    token_ids: list[int],
+    chunk_size: int | None = None,
+    wrap: Callable[[PagedAttention], Callable] | None = None,
+) -> torch.Tensor:
+    """Final hidden states [len(token_ids), hidden] of one sequence prefilled from position 0 into ``pages``.
+
+    The one paged forward behind calibration, the quantisation quality check and the eval scorer: every
+    attention read, including a chunk's own tokens, goes through ``cache`` in its KV format, exactly as
+    when serving. Chunks of ``chunk_size`` tokens (the whole sequence when None) make later chunks read
+    the cache; ``wrap`` wraps each chunk's attention backend (calibration records K/V maxima with it).
+    """
+    device = cache.k.device
+    step = chunk_size or len(token_ids)
+    hidden = []
+    for start in range(0, len(token_ids), step):
+        end = min(start + step, len(token_ids))
+        meta = AttentionMetadata.build([pages], [end], [end - start], cache.page_size, device)
+        attention = PagedAttention(cache, meta)
+        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
+        positions = torch.arange(start, end, dtype=torch.long, device=device)
+        hidden.append(model(ids, positions, wrap(attention) if wrap else attention))
+    return torch.cat(hidden)

@@ -2,7 +2,7 @@
 
 ``write_kv(x, slots, slot_mapping, page_scale, page_size)``: x [T, kv_heads, dim] goes to
 ``slots[slot_mapping]``, cast to the cache's element type, or, with ``page_scale`` (FP8 caches), as e4m3
-bits of ``x / page_scale[page]`` saturated at ±448 (``kv.formats.quantize_fp8``). Page scales are set
+bits of ``x / page_scale[page]`` saturated at ±448 (``formats.fp8.quantize_fp8``). Page scales are set
 before the write (``KVCache`` opens pages); this is only the element-wise part.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_workers.formats.fp8 import quantize_fp8
 from gpu_workers.kernels import use_triton
-from gpu_workers.kv.formats import quantize_fp8
 
 
 def write_kv_reference(

@@ -1,10 +1,9 @@
-"""Attention that reads K/V through per-sequence page tables (torch reference path).
+"""What a model layer's attention reads through during one step: per-step metadata built from page tables,
+and ``PagedAttention``, which writes the new K/V into the cache and attends (``kernels.paged_attention``).
 
 One step packs the new tokens of every scheduled sequence into a flat batch of T tokens. Sequence i
 contributes ``query_lens[i]`` tokens, the last ones of its ``context_lens[i]`` cached tokens (prefill
-chunks and decode tokens are the same thing with different lengths). Kernels later implement the same
-``paged_attention`` signature. An FP8 cache is read by gathering the slots a group needs and dequantising
-only those, with the per-page scales the cache keeps.
+chunks and decode tokens are the same thing with different lengths).
 """
 
 from __future__ import annotations
@@ -12,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from gpu_workers.kernels import decode_attention as kernel_attention
+from gpu_workers.kernels.paged_attention import paged_attention
 from gpu_workers.kv.cache import KVCache, WriteSpans
-from gpu_workers.kv.formats import dequantize_fp8
 
 
 @dataclass
@@ -114,52 +111,6 @@ def _build_group(members, page_tables, context_lens, query_lens, starts, page_si
     return _Group(t(q_index), t(q_valid, torch.bool), t(key_slots), t(key_pos), t(q_pos))
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_slots: torch.Tensor,
-    v_slots: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of the flat queries ``q`` [T, heads, dim] over cached slots [slots, kv_heads, dim].
-
-    GQA: query head h reads KV head ``h // (heads // kv_heads)``. Returns [T, heads, dim] in q's dtype.
-    FP8 slots (uint8 bits) come with ``k_scale``/``v_scale``, the per-page scales [pages] of this layer.
-    """
-    out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_slots.shape[1]
-    for g in meta.groups:
-        qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = _gather(k_slots, g.key_slots, k_scale, meta.page_size, q.dtype).transpose(1, 2)  # [B, Hkv, K, D]
-        vg = _gather(v_slots, g.key_slots, v_scale, meta.page_size, q.dtype).transpose(1, 2)
-        mask = g.key_pos[:, None, :] <= g.q_pos[:, :, None]  # [B, Q, K]
-        if sliding_window is not None:
-            mask &= g.key_pos[:, None, :] > g.q_pos[:, :, None] - sliding_window
-        o = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
-        o = o.transpose(1, 2)  # [B, Q, H, D]
-        out[g.q_index[g.q_valid]] = o[g.q_valid]
-    return out
-
-
-def _gather(
-    slots: torch.Tensor,
-    index: torch.Tensor,
-    page_scale: torch.Tensor | None,
-    page_size: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The cached entries at ``index`` [B, K] as [B, K, kv_heads, dim] in ``dtype``, dequantised if FP8."""
-    x = slots[index]
-    if page_scale is None:
-        return x.to(dtype)
-    return dequantize_fp8(x, page_scale[index // page_size][..., None, None], dtype)
-
-
 class PagedAttention:
     """The attention a model layer calls during one step: write the new K/V, then attend through pages."""
 
@@ -179,6 +130,4 @@ class PagedAttention:
         self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
         k_slots, v_slots = self.cache.layer(layer)
         k_scale, v_scale = self.cache.layer_scales(layer)
-        return kernel_attention.paged_attention(
-            q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale
-        )
+        return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)

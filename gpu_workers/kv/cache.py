@@ -27,14 +27,9 @@ from pathlib import Path
 
 import torch
 
+from gpu_workers.formats.fp8 import SCALE_DTYPE, fp8_scale_pow2, is_fp8, storage_dtype
 from gpu_workers.kernels.kv_write import write_kv
-from gpu_workers.kv.formats import (
-    SCALE_DTYPE,
-    KVScales,
-    fp8_scale_pow2,
-    is_fp8,
-    storage_dtype,
-)
+from gpu_workers.kv.scales import KVScales
 from gpu_workers.kv.spec import KVSpec
 
 

@@ -16,7 +16,7 @@ from array import array
 from collections import OrderedDict
 
 
-def tenant_salt(secret: bytes, tenant: str | None) -> bytes:
+def prefix_cache_salt(secret: bytes, tenant: str | None) -> bytes:
     """Salt for a tenant's hash chain; without a tenant, a fresh salt so nothing is shared."""
     if tenant is None:
         return os.urandom(16)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_workers.formats.fp8 import FP8_DTYPE, dequantize_fp8, fp8_scale_pow2, quantize_fp8
 from gpu_workers.kv.cache import KVCache, WriteSpans
-from gpu_workers.kv.formats import FP8_DTYPE, dequantize_fp8, fp8_scale_pow2, quantize_fp8
 
 KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": FP8_DTYPE}
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.kv import KVSpec
-from gpu_workers.model.config import ModelConfig
 from gpu_workers.model.layers import MLP, RMSNorm
 from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
 

@@ -15,8 +15,7 @@ from rich.progress import Progress
 from safetensors import safe_open
 from torch import nn
 
-from gpu_workers.model.config import ModelConfig, read_json
-from gpu_workers.model.errors import ModelLoadError
+from gpu_workers.checkpoint import ModelConfig, ModelLoadError, read_json
 from gpu_workers.model.llama import LlamaForCausalLM
 from gpu_workers.model.mixtral import MixtralForCausalLM
 from gpu_workers.quant.config import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QuantConfig

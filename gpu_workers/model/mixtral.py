@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.model.config import ModelConfig
+from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.model.layers import RMSNorm
 from gpu_workers.model.llama import Attention, AttentionBackend, LlamaForCausalLM
 

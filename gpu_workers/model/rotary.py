@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from gpu_workers.model.config import RopeConfig
+from gpu_workers.checkpoint import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

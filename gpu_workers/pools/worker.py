@@ -16,11 +16,10 @@ import uuid
 
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
-from gpu_workers.pools.app import connect_redis, make_app
 from gpu_workers.pools.handoff import HandoffStore
 from gpu_workers.pools.heartbeat import Heartbeat
 from gpu_workers.pools.tasks import TaskRunner
-from gpu_workers.protocol import POOLS, DeploymentSpec, WorkerInfo, worker_queue
+from gpu_workers.protocol import POOLS, DeploymentSpec, WorkerInfo, connect_redis, make_celery, worker_queue
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ def run_worker(
     client = connect_redis(redis_url)
     config = engine_config(spec, pool, secret, device)
     engine = Engine.from_pretrained(spec.checkpoint, config)
-    app = make_app(redis_url)
+    app = make_celery(redis_url)
     store = HandoffStore(client)
     decode_format = engine_config(spec, "decode", secret).kv_dtype if pool == "prefill" else None
     runner = TaskRunner(

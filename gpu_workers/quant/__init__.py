@@ -1,5 +1,6 @@
-"""Weight formats (bf16, fp8 e4m3 per output channel, int4 group-wise), their linear layers, and conversion.
+"""Weight formats in the model: fp8 (e4m3, scale per output channel) and int4 (group-wise) linear layers.
 
-``tessera quantize`` converts a checkpoint once (``checkpoint.quantize_checkpoint``); the loader reads the
-``quantization_config`` it writes, or quantises an unquantised checkpoint while loading it.
+The encodings live in ``gpu_workers.formats.weights``; ``tessera quantize`` converts a checkpoint once
+(``gpu_workers.tools.quantize``); the loader reads the ``quantization_config`` it writes, or quantises an
+unquantised checkpoint while loading it.
 """

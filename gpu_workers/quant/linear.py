@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_workers.kernels.fp8_gemm import fp8_linear
-from gpu_workers.kernels.int4_gemm import int4_linear
+from gpu_workers.formats.weights import SCALE_DTYPE, quantize_fp8_weight, quantize_int4
+from gpu_workers.kernels.quant_linear import fp8_linear, int4_linear
 from gpu_workers.quant.config import QuantConfig
-from gpu_workers.quant.formats import SCALE_DTYPE, quantize_fp8_weight, quantize_int4
 
 
 class Fp8Linear(nn.Module):

@@ -36,9 +36,9 @@ class Route:
     decode_queue: str | None = None  # disaggregated: where prefill hands the request on to
 
 
-def tenant_salt(server_key: bytes, tenant_id: str) -> bytes:
-    """A per-tenant secret derived from a server key, so no client can choose or predict another tenant's
-    routing keys."""
+def affinity_salt(server_key: bytes, tenant_id: str) -> bytes:
+    """A per-tenant secret for the session-affinity hash, derived from a server key, so no client can
+    choose or predict another tenant's routing keys."""
     return hmac.new(server_key, b"tenant:" + tenant_id.encode(), hashlib.sha256).digest()
 
 

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from gpu_workers.protocol import HEARTBEAT_TTL_S, STREAM_FIELD, STREAM_TTL_S, Event, cancel_key, stream_key
 from tessera import routing
-from tessera.api.errors import APIError
+from tessera.errors import APIError
 
 BLOCK_MS = 500  # how long one XREAD waits; bounds how late a deadline or a dead worker is noticed
 # Worker error codes that mean the request itself can never be served; every other code is a server fault.

@@ -14,11 +14,10 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpu_workers.model.config import ModelConfig
-from gpu_workers.model.errors import ModelLoadError
-from gpu_workers.model.tokenizer import Tokenizer, load_tokenizer
+from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.protocol import DeploymentSpec
-from tessera.api.errors import APIError
+from gpu_workers.tokenizer import Tokenizer, load_tokenizer
+from tessera.errors import APIError
 from tessera.models import Deployment
 
 ROW_TTL_S = 5.0

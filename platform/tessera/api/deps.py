@@ -7,8 +7,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from tessera.api.errors import APIError
 from tessera.auth import verify_key
+from tessera.errors import APIError
 from tessera.models import SCOPE_INFERENCE
 
 # One message for a missing, malformed, unknown or revoked key: the answer must not say which it was.

@@ -17,50 +17,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tessera.errors import APIError, error_body
+
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-# OpenAI's error types by status; anything 5xx is a server fault, never the caller's input.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-}
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member loc entries
-
-
-class APIError(Exception):
-    """An error the gateway answers with; ``message`` says what was wrong and what to do instead."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.code, self.param)
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
 def error_response(error: APIError) -> JSONResponse:

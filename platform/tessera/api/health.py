@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import POOLS
 from tessera import routing
-from tessera.api.errors import error_body
+from tessera.errors import error_body
 
 router = APIRouter()
 

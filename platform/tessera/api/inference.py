@@ -22,13 +22,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from gpu_workers.model.tokenizer import ChatTemplateError
 from gpu_workers.protocol import GenerateTask, Sampling
+from gpu_workers.tokenizer import ChatTemplateError
 from tessera import routing, streaming, tenancy
 from tessera.api.catalog import Catalog, Model
 from tessera.api.deps import Caller, CurrentCaller
-from tessera.api.errors import APIError, parse_body, request_id
+from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from tessera.errors import APIError
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class Gateway:
         """Route and queue the request, then answer with its result or its stream."""
         rid = request_id(request)
         spec = prepared.model.spec
-        salt = routing.tenant_salt(self.settings.derive_key("affinity"), caller.tenant_id)
+        salt = routing.affinity_salt(self.settings.derive_key("affinity"), caller.tenant_id)
         key = routing.affinity_key(
             salt, request.headers.get(AFFINITY_HEADER), prepared.prompt_ids, spec.page_size
         )

@@ -1,0 +1,204 @@
+"""What a checkpoint folder declares: ``config.json`` as a ModelConfig, and the error a bad folder raises.
+
+Torch-free, so the gateway can read a checkpoint's limits and stop tokens without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint folder that cannot be loaded: what is wrong, where, and what was expected."""
+
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+ROPE_TYPES = ("default", "linear", "llama3")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# HF's default theta when config.json names none (Mixtral's differs from the rest).
+_DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base ``theta`` and an optional frequency rescaling (``linear`` or ``llama3``)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only checkpoint's shape and features, normalised across architectures."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # one entry per layer; None means full causal attention
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None  # the dtype the checkpoint was saved in
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder."""
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {path} is not a directory; pass a checkpoint folder")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(
+                f"{path} has no config.json; a checkpoint folder needs the Hugging Face config.json "
+                "next to its *.safetensors files"
+            )
+        generation_file = path / "generation_config.json"
+        generation = read_json(generation_file) if generation_file.is_file() else {}
+        return cls.from_dict(read_json(config_file), generation)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """Normalise a parsed ``config.json``; ``generation`` may add end-of-sequence tokens."""
+        generation = generation or {}
+        architecture = _architecture(raw)
+        num_layers = _required(raw, "num_hidden_layers")
+        num_heads = _required(raw, "num_attention_heads")
+        hidden_size = _required(raw, "hidden_size")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(
+                f"hidden_act {raw['hidden_act']!r} in config.json is not supported; expected 'silu'"
+            )
+        attention_bias = bool(raw.get("attention_bias", False))
+        moe = architecture == "MixtralForCausalLM"
+        eos = token_id_list(raw.get("eos_token_id")) + token_id_list(generation.get("eos_token_id"))
+        bos = raw.get("bos_token_id")
+        bos = generation.get("bos_token_id") if bos is None else bos
+        return cls(
+            architecture=architecture,
+            vocab_size=_required(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_required(raw, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            max_position_embeddings=_required(raw, "max_position_embeddings"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope(raw, _DEFAULT_ROPE_THETA.get(architecture, 10000.0)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and never an o_proj bias, whatever attention_bias says.
+            qkv_bias=architecture == "Qwen2ForCausalLM"
+            or (attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")),
+            o_bias=attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+            mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows(architecture, raw, num_layers),
+            num_experts=raw.get("num_local_experts", 0) if moe else 0,
+            num_experts_per_tok=raw.get("num_experts_per_tok", 0) if moe else 0,
+            eos_token_ids=list(dict.fromkeys(eos)),
+            bos_token_id=bos,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    names = raw.get("architectures") or []
+    if not names:
+        raise ModelLoadError(
+            f"config.json has no 'architectures' entry; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if names[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"architecture {names[0]!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return names[0]
+
+
+def _required(raw: dict[str, Any], key: str) -> int:
+    if raw.get(key) is None:
+        raise ModelLoadError(f"config.json has no {key!r}; the model's shape cannot be known without it")
+    return int(raw[key])
+
+
+def token_id_list(value: int | list[int] | None) -> list[int]:
+    """A ``*_token_id`` field of a HF config, which may be an id, a list of ids or null, as a list."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
+    # transformers 5 writes one ``rope_parameters`` dict; older configs (most checkpoints in the wild)
+    # have a top-level ``rope_theta`` and an optional ``rope_scaling`` that spells its kind ``type``.
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"rope type {rope_type!r} in config.json is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in params:
+        raise ModelLoadError(f"rope type {rope_type!r} in config.json needs a 'factor'")
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, type="linear", factor=float(params["factor"]))
+    return RopeConfig(
+        theta=theta,
+        type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _sliding_windows(architecture: str, raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window") or None
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return (window,) * num_layers
+    if architecture in _QWEN and raw.get("use_sliding_window") and window:
+        # Qwen slides only in the layers from max_window_layers on, unless layer_types says otherwise.
+        first = raw.get("max_window_layers", 28)
+        types = raw.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * num_layers

@@ -1,0 +1,50 @@
+"""FP8-e4m3 elements: scales, quantise and dequantise; the lowest layer, shared by the KV cache and kernels.
+
+FP8 KV pages hold ``x / scale`` saturated to ±448 (the largest finite e4m3 value, so nothing overflows to
+NaN/inf) as float8_e4m3fn bits in uint8 tensors: CPU torch lacks several fp8 ops (ENVIRONMENT.md), and
+a uint8 view supports every gather and slot assignment the cache needs. Reading views the bits as fp8
+again and multiplies by the scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_DTYPE = torch.float32
+# A page of exact zeros still needs a usable scale; below this amax, precision no longer matters.
+MIN_AMAX = 1e-6
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_DTYPE
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a cache of ``dtype`` elements is allocated as: FP8 lives in uint8 tensors."""
+    return torch.uint8 if is_fp8(dtype) else dtype
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale that maps ``amax`` onto the largest finite e4m3 value."""
+    return amax.float().clamp_min(MIN_AMAX) / FP8_MAX
+
+
+def fp8_scale_pow2(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two at least ``fp8_scale(amax)``.
+
+    Dividing by a power of two only shifts exponents, so a value in e4m3's normal range rounds to the
+    same 3-bit mantissa whatever the scale: two scales computed from different chunks of the same
+    sequence store the same dequantised values, except at the range ends (saturation, subnormals).
+    """
+    return torch.exp2(torch.ceil(torch.log2(fp8_scale(amax))))
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """uint8 bits of ``x / scale`` in e4m3; values beyond ±448·scale saturate instead of becoming inf/NaN."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+
+
+def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    return (bits.view(FP8_DTYPE).float() * scale).to(dtype)

@@ -1,0 +1,175 @@
+"""A checkpoint's tokenizer (``tokenizer.json``) and chat template, without torch or transformers.
+
+The gateway uses this to count and encode prompts, so it must stay importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gpu_workers.checkpoint import read_json, token_id_list
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint has no chat template, or its template rejected the messages."""
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts the way Hugging Face's tokenizer for this checkpoint does."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+        extra_eos_token_ids: list[int] | None = None,
+    ):
+        self._tokenizer = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        eos = [tokenizer.token_to_id(eos_token)] if eos_token else []
+        self.eos_token_ids = [i for i in dict.fromkeys(eos + (extra_eos_token_ids or [])) if i is not None]
+        self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        self.chat_template = chat_template
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        # Compiled on first use, so a broken template fails chat requests rather than loading the model.
+        return _environment().from_string(self.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with special tokens, BOS is added once (by the post-processor or here)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``; it already holds any BOS the template writes, so encode it with
+        ``add_special_tokens=False`` to avoid a second one."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja); send a plain completion request instead"
+            )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed to render: {e}") from e
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint folder, or None when it has no ``tokenizer.json``."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        return None
+    config = _optional_json(path / "tokenizer_config.json")
+    generation = _optional_json(path / "generation_config.json")
+    return Tokenizer(
+        tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")),
+        bos_token=_token_text(config.get("bos_token")),
+        eos_token=_token_text(config.get("eos_token")),
+        add_bos_token=bool(config.get("add_bos_token", False)),
+        chat_template=_chat_template(path, config),
+        extra_eos_token_ids=token_id_list(generation.get("eos_token_id")),
+    )
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    return read_json(path) if path.is_file() else {}
+
+
+def _token_text(token: str | dict[str, Any] | None) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as serialised AddedToken dicts.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    # Newer checkpoints ship the template as its own file; older ones keep it in tokenizer_config.json,
+    # sometimes as a list of named templates of which "default" is the chat one.
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    # Jinja's own tojson HTML-escapes '<', '>' and '&', which would change tool schemas inside prompts.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # The same sandboxed environment and helpers transformers gives templates, so they render identically.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def train_byte_level_bpe(
+    texts: list[str], vocab_size: int, special_tokens: list[str]
+) -> tokenizers.Tokenizer:
+    """A byte-level BPE (GPT-2 pre-tokenisation, so any text encodes) trained on ``texts``.
+
+    ``special_tokens[0]`` is BOS (id 0); encoding prepends it, like Llama's tokenizer, while chat templates
+    write it themselves.
+    """
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    bos = special_tokens[0]
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=special_tokens,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer

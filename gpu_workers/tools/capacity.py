@@ -1,0 +1,420 @@
+"""How many tokens of KV cache fit in accelerator memory next to a model's weights, per KV and weight format.
+
+A model is a list of (tensor name, shape) in Hugging Face naming: read from a checkpoint's safetensors
+headers, or generated from a published config.json (``NAMED_CONFIGS``). Weight bytes per format:
+- ``bf16``: 2 bytes per element.
+- ``fp8``: linear weights 1 byte per element plus one fp32 scale per output channel.
+- ``int4``: linear weights packed two per byte, groups of 128 along the input dimension, each group with
+  a bf16 scale and a bf16 zero point.
+Embeddings, lm_head, norms, biases and MoE routers stay bf16 in every format.
+
+KV bytes per token (``KVLayout``): MHA/GQA caches K and V per KV head; MLA (DeepSeek-V3, Kimi K2, GLM-5)
+caches one latent vector plus the rope part of the key per layer (plus DSA indexer keys for GLM-5).
+``fp8_e4m3`` costs 1 byte per element plus the engine's scales: an fp32 K and V scale per (layer, page).
+
+Tensor parallelism over N GPUs: weights split evenly; KV heads split over GPUs up to the number of KV
+heads (each GPU holds ``ceil(kv_heads / N)`` heads); MLA's single latent is replicated on every GPU. All
+GPUs hold the same tokens, so the deployment's token capacity is one GPU's free memory over one GPU's
+bytes per token. Not modelled: activations, CUDA graphs and allocator workspace (use ``reserve_gib``),
+speculative-decoding (MTP) layers, vision towers, and sliding-window layers (cached in full here).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 2**30
+KV_FORMATS = ("bf16", "fp8_e4m3")
+WEIGHT_FORMATS = ("bf16", "fp8", "int4")
+INT4_GROUP = 128
+KV_SCALE_BYTES = 4  # fp32 scale per (layer, page) for K and for V, as KVCache stores them
+_ROUTER = re.compile(r"(mlp|block_sparse_moe)\.gate\.")  # the MoE router, not a gate_proj
+
+# Published shapes (config.json of each model's official Hugging Face repository). Only the fields the
+# memory model reads are kept.
+NAMED_CONFIGS: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.1-8B
+    "Llama-3.1-8B": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    # Qwen/Qwen3-32B
+    "Qwen3-32B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    # mistralai/Mixtral-8x7B-v0.1
+    "Mixtral-8x7B": {
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "tie_word_embeddings": False,
+    },
+    # deepseek-ai/DeepSeek-V3 (main model; the checkpoint's extra MTP layer is not counted)
+    "DeepSeek-V3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    # moonshotai/Kimi-K2-Instruct; Kimi K2.5/K2.6 share this text backbone (their text_config)
+    "Kimi-K2": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_attention_heads": 64,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    # zai-org/GLM-5 (transformers' GlmMoeDsaConfig defaults): MLA plus a DSA indexer with its own key cache
+    "GLM-5": {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "vocab_size": 154880,
+        "hidden_size": 6144,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 78,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_attention_heads": 64,
+        "q_lora_rank": 2048,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One token's cache entry: ``elements_per_layer`` values in each of ``num_layers`` layers.
+
+    ``shards`` is how many ways tensor parallelism can split those elements (the KV heads; 1 for MLA).
+    """
+
+    kind: str  # "gqa" or "mla"
+    num_layers: int
+    elements_per_layer: int
+    shards: int
+    detail: str = ""  # what the elements are, for people
+
+    def bytes_per_token(self, kv_format: str, gpus: int = 1, page_size: int = 16) -> float:
+        """Bytes one token costs on one GPU of a ``gpus``-way tensor-parallel deployment."""
+        if kv_format not in KV_FORMATS:
+            raise ValueError(f"KV format must be one of {', '.join(KV_FORMATS)}, got {kv_format!r}")
+        elements = self.num_layers * self.elements_per_layer * _ceil_div(self.shards, gpus) / self.shards
+        if kv_format == "bf16":
+            return 2 * elements
+        return elements + 2 * self.num_layers * KV_SCALE_BYTES / page_size
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    name: str
+    tensors: dict[str, tuple[int, ...]]
+    kv: KVLayout
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(shape) for shape in self.tensors.values())
+
+    def weight_bytes(self, weight_format: str) -> int:
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}"
+            )
+        return sum(_tensor_bytes(name, shape, weight_format) for name, shape in self.tensors.items())
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    weight_format: str
+    kv_format: str
+    weight_gib_per_gpu: float
+    free_gib_per_gpu: float
+    kv_bytes_per_token_per_gpu: float
+    tokens: int  # KV tokens the whole deployment holds at once
+
+
+def capacity(
+    model: ModelShapes, memory_gib: float, gpus: int = 1, reserve_gib: float = 0.0, page_size: int = 16
+) -> list[CapacityRow]:
+    """Tokens that fit per (weight format, KV format) with ``memory_gib`` per GPU on ``gpus`` GPUs."""
+    if gpus < 1 or memory_gib <= 0 or reserve_gib < 0:
+        raise ValueError("need gpus >= 1, memory_gib > 0 and reserve_gib >= 0")
+    rows = []
+    for weight_format in WEIGHT_FORMATS:
+        weights = model.weight_bytes(weight_format) / gpus
+        free = memory_gib * GIB - reserve_gib * GIB - weights
+        for kv_format in KV_FORMATS:
+            per_token = model.kv.bytes_per_token(kv_format, gpus, page_size)
+            tokens = max(0, int(free // per_token))
+            rows.append(CapacityRow(weight_format, kv_format, weights / GIB, free / GIB, per_token, tokens))
+    return rows
+
+
+def named_model(name: str) -> ModelShapes:
+    """A model of ``NAMED_CONFIGS`` by name (case-insensitive)."""
+    for known, config in NAMED_CONFIGS.items():
+        if known.lower() == name.lower():
+            return ModelShapes(known, hf_tensor_shapes(config), kv_layout(config))
+    raise ValueError(f"unknown model config {name!r}; known: {', '.join(NAMED_CONFIGS)}")
+
+
+def checkpoint_model(path: str | Path) -> ModelShapes:
+    """Shapes of a checkpoint folder: config.json for the KV layout, safetensors headers for the tensors."""
+    from gpu_workers.checkpoint import read_json
+    from gpu_workers.model.loader import safetensors_files
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; pass a Hugging Face checkpoint folder")
+    config = read_json(path / "config.json")
+    tensors: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(path):
+        for name, shape in _safetensors_shapes(file).items():
+            # A checkpoint's own quantisation scales and zeros are replaced by the target format's; packed
+            # int4 weights ([out, in/2] bytes) count as the [out, in] weight they hold.
+            if name.endswith("_packed"):
+                tensors[name.removesuffix("_packed")] = (*shape[:-1], shape[-1] * 2)
+            elif not name.endswith(("_scale_inv", "_scale", "_zero")):
+                tensors[name] = shape
+    return ModelShapes(path.name, tensors, kv_layout(config))
+
+
+def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
+def kv_layout(config: dict[str, Any]) -> KVLayout:
+    """What one token's cache entry is, from a config.json."""
+    layers = int(config["num_hidden_layers"])
+    if config.get("kv_lora_rank"):
+        parts = {"latent": config["kv_lora_rank"], "rope key": config["qk_rope_head_dim"]}
+        if config.get("index_head_dim"):
+            parts["indexer key"] = config["index_head_dim"]
+        detail = " + ".join(f"{n} {name}" for name, n in parts.items())
+        return KVLayout("mla", layers, sum(parts.values()), shards=1, detail=detail)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    detail = f"K and V x {kv_heads} KV heads x {head_dim}"
+    return KVLayout("gqa", layers, 2 * kv_heads * head_dim, shards=kv_heads, detail=detail)
+
+
+def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every weight of a decoder from its config.json, named as in the model's Hugging Face checkpoint."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    tensors: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = (hidden,)
+        tensors[p + "post_attention_layernorm.weight"] = (hidden,)
+        attention = _mla_attention if config.get("kv_lora_rank") else _gqa_attention
+        tensors.update({p + "self_attn." + k: v for k, v in attention(config).items()})
+        tensors.update({p + k: v for k, v in _feed_forward(config, i).items()})
+    tensors["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        tensors["lm_head.weight"] = (vocab, hidden)
+    return tensors
+
+
+def _gqa_attention(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    architecture = config["architectures"][0]
+    sizes = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim}
+    tensors = {f"{name}.weight": (size, hidden) for name, size in sizes.items()}
+    tensors["o_proj.weight"] = (hidden, heads * head_dim)
+    # Qwen2 always has q/k/v biases; attention_bias adds them (and o_proj's) elsewhere.
+    if architecture == "Qwen2ForCausalLM" or config.get("attention_bias"):
+        tensors.update({f"{name}.bias": (size,) for name, size in sizes.items()})
+    if config.get("attention_bias") and architecture != "Qwen2ForCausalLM":
+        tensors["o_proj.bias"] = (hidden,)
+    if architecture == "Qwen3ForCausalLM":
+        tensors.update({"q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,)})
+    return tensors
+
+
+def _mla_attention(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    q_lora, kv_lora = config.get("q_lora_rank"), config["kv_lora_rank"]
+    nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    tensors: dict[str, tuple[int, ...]] = {}
+    if q_lora:
+        tensors["q_a_proj.weight"] = (q_lora, hidden)
+        tensors["q_a_layernorm.weight"] = (q_lora,)
+        tensors["q_b_proj.weight"] = (heads * (nope + rope), q_lora)
+    else:
+        tensors["q_proj.weight"] = (heads * (nope + rope), hidden)
+    tensors["kv_a_proj_with_mqa.weight"] = (kv_lora + rope, hidden)
+    tensors["kv_a_layernorm.weight"] = (kv_lora,)
+    tensors["kv_b_proj.weight"] = (heads * (nope + v_dim), kv_lora)
+    tensors["o_proj.weight"] = (hidden, heads * v_dim)
+    if config.get("index_head_dim"):  # DSA indexer (GLM-5, DeepSeek-V3.2)
+        index_heads, index_dim = config["index_n_heads"], config["index_head_dim"]
+        tensors["indexer.wq_b.weight"] = (index_heads * index_dim, q_lora)
+        tensors["indexer.wk.weight"] = (index_dim, hidden)
+        tensors["indexer.k_norm.weight"] = (index_dim,)
+        tensors["indexer.k_norm.bias"] = (index_dim,)
+        tensors["indexer.weights_proj.weight"] = (index_heads, hidden)
+    return tensors
+
+
+def _feed_forward(config: dict[str, Any], layer: int) -> dict[str, tuple[int, ...]]:
+    hidden = config["hidden_size"]
+    if config.get("num_local_experts"):  # Mixtral: every layer is a sparse MoE
+        size = config["intermediate_size"]
+        tensors = {"block_sparse_moe.gate.weight": (config["num_local_experts"], hidden)}
+        for e in range(config["num_local_experts"]):
+            p = f"block_sparse_moe.experts.{e}."
+            tensors.update({p + "w1.weight": (size, hidden), p + "w3.weight": (size, hidden)})
+            tensors[p + "w2.weight"] = (hidden, size)
+        return tensors
+    if not config.get("n_routed_experts") or layer < config.get("first_k_dense_replace", 0):
+        tensors = _swiglu("mlp.", hidden, config["intermediate_size"])
+        if config.get("mlp_bias"):
+            tensors.update({name.replace(".weight", ".bias"): shape[:1] for name, shape in tensors.items()})
+        return tensors
+    experts, size = config["n_routed_experts"], config["moe_intermediate_size"]
+    tensors = {"mlp.gate.weight": (experts, hidden), "mlp.gate.e_score_correction_bias": (experts,)}
+    for e in range(experts):
+        tensors.update(_swiglu(f"mlp.experts.{e}.", hidden, size))
+    tensors.update(_swiglu("mlp.shared_experts.", hidden, size * config.get("n_shared_experts", 0)))
+    return tensors
+
+
+def _swiglu(prefix: str, hidden: int, size: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (size, hidden),
+        prefix + "up_proj.weight": (size, hidden),
+        prefix + "down_proj.weight": (hidden, size),
+    }
+
+
+def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Linear weights are quantised; embeddings, lm_head, norms, biases and MoE routers stay bf16."""
+    if len(shape) < 2 or "embed_tokens" in name or name.startswith("lm_head"):
+        return False
+    return _ROUTER.search(name) is None
+
+
+def _tensor_bytes(name: str, shape: tuple[int, ...], weight_format: str) -> int:
+    numel = _numel(shape)
+    if weight_format == "bf16" or not is_quantizable(name, shape):
+        return 2 * numel
+    rows, cols = numel // shape[-1], shape[-1]
+    if weight_format == "fp8":
+        return numel + 4 * rows
+    return rows * _ceil_div(cols, 2) + rows * _ceil_div(cols, INT4_GROUP) * (2 + 2)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def report(
+    model: ModelShapes, rows: list[CapacityRow], memory_gib: float, gpus: int, reserve_gib: float = 0.0
+) -> dict[str, Any]:
+    """A JSON-ready summary: the model, the deployment, one row per (weight format, KV format)."""
+    return {
+        "model": model.name,
+        "params": model.num_params,
+        "kv_layout": asdict(model.kv),
+        "memory_gib_per_gpu": memory_gib,
+        "reserve_gib_per_gpu": reserve_gib,
+        "gpus": gpus,
+        "weight_bytes": {fmt: model.weight_bytes(fmt) for fmt in WEIGHT_FORMATS},
+        "rows": [asdict(row) for row in rows],
+    }
+
+
+def format_table(
+    model: ModelShapes, rows: list[CapacityRow], memory_gib: float, gpus: int, reserve_gib: float = 0.0
+) -> str:
+    kv = model.kv
+    reserve = f", {reserve_gib:g} GiB reserved" if reserve_gib else ""
+    lines = [
+        f"{model.name}: {model.num_params / 1e9:,.2f}B parameters; KV per token: {kv.num_layers} layers x "
+        f"{kv.elements_per_layer} elements ({kv.kind}: {kv.detail})",
+        f"{gpus} GPU(s) x {memory_gib:g} GiB{reserve}, tensor parallel; "
+        "tokens = KV tokens the deployment holds at once",
+        "",
+        f"{'weights':<8}{'weights/GPU':>13}{'free/GPU':>11}{'bf16 KV tokens':>17}{'fp8_e4m3 KV tokens':>21}"
+        f"{'fp8/bf16':>10}",
+    ]
+    by_format = {(r.weight_format, r.kv_format): r for r in rows}
+    for fmt in WEIGHT_FORMATS:
+        bf16, fp8 = by_format[fmt, "bf16"], by_format[fmt, "fp8_e4m3"]
+        ratio = f"{fp8.tokens / bf16.tokens:.3f}" if bf16.tokens else "-"
+        lines.append(
+            f"{fmt:<8}{bf16.weight_gib_per_gpu:>9.1f} GiB{bf16.free_gib_per_gpu:>7.1f} GiB"
+            f"{bf16.tokens:>17,}{fp8.tokens:>21,}{ratio:>10}"
+        )
+    bf16_row, fp8_row = by_format["bf16", "bf16"], by_format["bf16", "fp8_e4m3"]
+    lines.append(
+        f"KV bytes per token per GPU: bf16 {bf16_row.kv_bytes_per_token_per_gpu:,.1f}, "
+        f"fp8_e4m3 {fp8_row.kv_bytes_per_token_per_gpu:,.1f} (incl. fp32 scales per layer and page)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The trainable model: the serving Llama itself, run over fixed-length batches with causal attention.
+
+Training the very module that serves (``gpu_workers.model.llama``) means the saved tensor names and the
+numerics are the ones the loader and Engine use; only the attention backend differs (no paged cache).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from torch import nn
+
+from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.model.llama import LlamaForCausalLM
+from gpu_workers.tools.train.data import BOS_ID, EOS_ID, PAD_ID
+
+# System and user turns become Python comments and the assistant's turn is plain code, so a code-only
+# model sees a commented file and continues it; the generation prompt adds nothing but the newline.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] + '\\n' }}"
+    "{% else %}"
+    "{{ '# ' + message['content'].strip().replace('\\n', '\\n# ') + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
+class CausalAttention:
+    """The engine's attention interface over a [batch, seq_len] block of fresh tokens (no KV cache)."""
+
+    def __init__(self, batch: int, seq_len: int):
+        self.batch = batch
+        self.seq_len = seq_len
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        q, k, v = (
+            t.view(self.batch, self.seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(self.batch * self.seq_len, o.shape[1], o.shape[3])
+
+
+def hf_config(
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    context: int,
+) -> dict:
+    """config.json as transformers writes it for a tied-embedding Llama saved in bfloat16."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": context,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "dtype": "bfloat16",
+    }
+
+
+def build_model(config: dict, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised model: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(ModelConfig.from_dict(config))
+    residual_std = 0.02 / math.sqrt(2 * config["num_hidden_layers"])
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(param)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            nn.init.normal_(param, std=residual_std)
+        else:
+            nn.init.normal_(param, std=0.02)
+    return model
+
+
+def loss_fn(model: LlamaForCausalLM, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of [batch, seq_len] inputs against their targets."""
+    batch, seq_len = inputs.shape
+    positions = torch.arange(seq_len).repeat(batch)
+    hidden = model(inputs.reshape(-1), positions, CausalAttention(batch, seq_len))
+    return F.cross_entropy(model.compute_logits(hidden), targets.reshape(-1))
+
+
+def save_checkpoint(model: LlamaForCausalLM, config: dict, tokenizer: Tokenizer, out: Path) -> None:
+    """Write the Hugging Face folder: config.json, bf16 model.safetensors, tokenizer and generation files."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in model.state_dict().items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    for name, data in (
+        ("config.json", config),
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", generation),
+    ):
+        (out / name).write_text(json.dumps(data, indent=2) + "\n")

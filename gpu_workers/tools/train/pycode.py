@@ -1,0 +1,289 @@
+"""Train ``pycode-tiny``, the default model: a small Llama on the Python standard library's source.
+
+    python -m gpu_workers.tools.train.pycode --out models/pycode-tiny
+
+Reproducible from its arguments (recorded in ``training.json``) on any CPython of the same version.
+Each evaluation that improves the held-out loss rewrites the checkpoint folder, so a run stopped early
+(``--max-minutes`` or a kill) still leaves a usable model; ``--resume`` continues from the work dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_workers.model import load_model
+from gpu_workers.tools.train.data import (
+    SKIPPED_DIRS,
+    eval_windows,
+    stdlib_corpus,
+    token_stream,
+    train_tokenizer,
+    unigram_perplexity,
+)
+from gpu_workers.tools.train.model import build_model, hf_config, loss_fn, save_checkpoint
+from gpu_workers.tools.train.plot import plot_loss_curve
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("models/pycode-tiny"), help="checkpoint folder to write")
+    p.add_argument("--work-dir", type=Path, default=Path(".tessera/train-pycode"), help="logs, resume state")
+    p.add_argument("--resume", action="store_true", help="continue from --work-dir/state.pt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout-percent", type=int, default=3)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--intermediate-size", type=int, default=768)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--context", type=int, default=512, help="training sequence length = model context")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for matmuls (weights stay fp32)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
+    return p.parse_args(argv)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    floor = args.lr * args.min_lr_ratio
+    return floor + (args.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def random_batch(
+    stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=gen)
+    rows = torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+    return rows[:, :-1], rows[:, 1:]
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, windows, batch: int, bf16: bool = False) -> float:
+    """Mean cross-entropy over every held-out target token (full windows batched, the tail alone)."""
+    total, count = 0.0, 0
+    full = [w for w in windows if len(w[0]) == len(windows[0][0])]
+    groups = [full[i : i + batch] for i in range(0, len(full), batch)] + [[w] for w in windows[len(full) :]]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for group in groups:
+            inputs = torch.stack([w[0] for w in group])
+            targets = torch.stack([w[1] for w in group])
+            total += loss_fn(model, inputs, targets).item() * targets.numel()
+            count += targets.numel()
+    return total / count
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    corpus = stdlib_corpus(heldout_percent=args.heldout_percent)
+    train_texts, heldout_texts = corpus.texts(corpus.train), corpus.texts(corpus.heldout)
+    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    train_stream = token_stream(tokenizer, train_texts)
+    heldout_stream = token_stream(tokenizer, heldout_texts)
+    windows = eval_windows(heldout_stream, args.context)
+    heldout_targets = torch.cat([w[1] for w in windows])
+    unigram_ppl = unigram_perplexity(train_stream, heldout_targets, args.vocab_size)
+    _say(
+        f"corpus: {len(corpus.train)} train files ({len(train_stream)} tokens), {len(corpus.heldout)} "
+        f"held-out files ({len(heldout_targets)} target tokens); unigram ppl {unigram_ppl:.1f}; "
+        f"prep {time.time() - started:.0f}s"
+    )
+
+    config = hf_config(
+        args.vocab_size,
+        args.hidden_size,
+        args.intermediate_size,
+        args.layers,
+        args.heads,
+        args.kv_heads,
+        args.context,
+    )
+    model = build_model(config, args.seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    history: dict = {"train": [], "heldout": [], "best_step": None, "best_loss": float("inf"), "step": 0}
+    train_seconds = 0.0
+    state_file = args.work_dir / "state.pt"
+    if args.resume and state_file.is_file():
+        state = torch.load(state_file, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        history, train_seconds = state["history"], state["train_seconds"]
+        _say(f"resumed at step {history['step']}")
+    num_params = sum(p.numel() for p in model.parameters())
+    _say(f"model: {num_params / 1e6:.2f}M parameters; {args.steps} steps of {args.batch_size}x{args.context}")
+
+    log = (args.work_dir / "log.jsonl").open("a")
+    model.train()
+    window_start, window_tokens = time.time(), 0
+    for step in range(history["step"], args.steps):
+        if args.max_minutes is not None and train_seconds > args.max_minutes * 60:
+            _say(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
+            break
+        step_start = time.time()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = random_batch(train_stream, args.batch_size, args.context, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = loss_fn(model, inputs, targets)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_seconds += time.time() - step_start
+        window_tokens += inputs.numel()
+        history["step"] = step + 1
+        if (step + 1) % args.log_every == 0 or step == 0:
+            tokens_per_s = window_tokens / (time.time() - window_start)
+            window_start, window_tokens = time.time(), 0
+            history["train"].append((step + 1, loss.item()))
+            entry = {
+                "step": step + 1,
+                "loss": round(loss.item(), 4),
+                "lr": lr,
+                "grad_norm": round(grad_norm.item(), 3),
+                "tokens_per_s": round(tokens_per_s),
+                "train_seconds": round(train_seconds),
+            }
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            _say(json.dumps(entry))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            _evaluate(model, windows, args, history, config, tokenizer, log)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "generator": gen.get_state(),
+                    "history": history,
+                    "train_seconds": train_seconds,
+                },
+                state_file,
+            )
+            _write_report(
+                args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows
+            )
+            window_start, window_tokens = time.time(), 0  # evaluation time is not training time
+
+    if history["best_step"] is None or history["heldout"][-1][0] != history["step"]:
+        _evaluate(model, windows, args, history, config, tokenizer, log)
+    # The number that ships: the saved bf16 weights, read back through the serving loader.
+    shipped = load_model(args.out, dtype=torch.float32)
+    final_loss = heldout_loss(shipped, windows, args.batch_size)
+    _write_report(
+        args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows, final_loss
+    )
+    _say(
+        f"done: best step {history['best_step']}, held-out ppl {math.exp(final_loss):.2f} "
+        f"(unigram {unigram_ppl:.1f}), {train_seconds / 60:.1f} min training"
+    )
+
+
+def _evaluate(model, windows, args, history, config, tokenizer, log) -> None:
+    model.eval()
+    loss = heldout_loss(model, windows, args.batch_size, args.bf16)
+    model.train()
+    history["heldout"].append((history["step"], loss))
+    improved = loss < history["best_loss"]
+    if improved:
+        history["best_loss"], history["best_step"] = loss, history["step"]
+        save_checkpoint(model, config, tokenizer, args.out)
+    entry = {"step": history["step"], "heldout_loss": round(loss, 4), "heldout_ppl": round(math.exp(loss), 3)}
+    log.write(json.dumps(entry) + "\n")
+    log.flush()
+    _say(json.dumps(entry) + (" (best: checkpoint written)" if improved else ""))
+
+
+def _write_report(
+    args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows, final_loss=None
+) -> None:
+    """training.json and loss_curve.png next to the checkpoint; rewritten at every evaluation."""
+    steps_done = history["step"]
+    hyper = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    record = {
+        "status": "complete" if final_loss is not None else f"in progress (step {steps_done})",
+        "command": "python -m gpu_workers.tools.train.pycode " + " ".join(_cli_args(args)),
+        "corpus": {
+            "source": "CPython standard library .py files (sysconfig.get_paths()['stdlib'])",
+            "python_version": sys.version.split()[0],
+            "skipped_dirs": sorted(SKIPPED_DIRS),
+            "skipped_files": "generated charmap codec tables (files containing 'decoding_table = (')",
+            "heldout_rule": f"sha256(relative path)[:8] as int % 100 < {args.heldout_percent}",
+            "train_files": len(corpus.train),
+            "train_tokens": len(train_stream),
+            "heldout_target_tokens": sum(len(w[1]) for w in windows),
+            "heldout_files": corpus.heldout,
+        },
+        "seed": args.seed,
+        "hyperparameters": hyper,
+        "parameters": num_params,
+        "steps_done": steps_done,
+        "tokens_seen": steps_done * args.batch_size * args.context,
+        "train_seconds": round(train_seconds),
+        "tokens_per_s": round(steps_done * args.batch_size * args.context / max(train_seconds, 1e-9)),
+        "best_step": history["best_step"],
+        "best_heldout_loss_during_training": history["best_loss"],
+        "unigram_perplexity": unigram_ppl,
+        "heldout_perplexity": None if final_loss is None else math.exp(final_loss),
+        "heldout_loss": final_loss,
+        "heldout_curve": history["heldout"],
+        "train_curve": history["train"],
+        "machine": {"torch": torch.__version__, "threads": args.threads, "python": sys.version.split()[0]},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    if history["train"]:
+        title = f"pycode-tiny: {num_params / 1e6:.1f}M params, {steps_done} steps"
+        plot_loss_curve(
+            history["train"], history["heldout"], math.log(unigram_ppl), args.out / "loss_curve.png", title
+        )
+
+
+def _cli_args(args: argparse.Namespace) -> list[str]:
+    defaults = vars(parse_args([]))
+    out = []
+    for key, value in vars(args).items():
+        if key in ("resume", "work_dir") or value == defaults[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def _say(message: str) -> None:
+    print(time.strftime("%H:%M:%S"), message, flush=True)
+
+
+if __name__ == "__main__":
+    main()

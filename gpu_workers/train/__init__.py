@@ -1,4 +1,0 @@
-"""Training the default model: a small Llama trained on the Python standard library's own source code.
-
-``python -m gpu_workers.train.pycode --out models/pycode-tiny`` reproduces ``models/pycode-tiny``.
-"""

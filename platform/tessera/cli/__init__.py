@@ -1,0 +1,23 @@
+"""The ``tessera`` command line: ``main`` builds the parser from one module per command group and runs the
+command. Commands import ``gpu_workers`` (and so torch) only when they run."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from tessera.cli import admin, bench, kv, model, quant, serve
+from tessera.cli import eval as eval_
+from tessera.cli.common import run_command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(build_parser().parse_args(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="Tessera: multi-tenant LLM inference.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for group in (model, bench, kv, admin, serve, eval_, quant):  # the order `tessera --help` lists them in
+        group.add_commands(commands)
+    return parser
