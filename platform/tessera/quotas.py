@@ -1,0 +1,361 @@
+"""Per-tenant (and per-key) quotas enforced atomically in Redis: one Lua script checks every limit of every
+scope and only then takes from all of them, so concurrent requests and API replicas can never overspend.
+
+Limits, each optional (None = unlimited):
+- ``rpm``: requests admitted in any sliding 60 s window (a log of admission times, not a fixed window);
+- ``tpm``: tokens reserved in any sliding 60 s window (``prompt_tokens + max_tokens`` at admission,
+  settled to the actual usage when the request ends);
+- ``concurrency``: requests in flight, held as leases that expire unless renewed, so a gateway that dies
+  mid-request cannot leak a slot;
+- ``daily_tokens`` / ``monthly_tokens``: token budgets per UTC day / month, reserved and settled like tpm.
+
+A request rejected by one limit consumes none of the others. Time comes from Redis (``TIME``), so every
+replica agrees on the window. Redis unreachable raises ``QuotaUnavailable``: the gateway fails closed.
+"""
+
+from __future__ import annotations
+
+import calendar
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+WINDOW_MS = 60_000
+LEASE_TTL_MS = 30_000  # a lease not renewed for this long is dropped (its gateway died)
+PREFIX = "tessera:quota"
+LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens")
+_UNLIMITED = -1
+
+
+@dataclass(frozen=True)
+class Limits:
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrency: int | None = None
+    daily_tokens: int | None = None
+    monthly_tokens: int | None = None
+
+    def merged(self, override: Limits | None) -> Limits:
+        """These limits with every limit ``override`` sets replacing ours."""
+        if override is None:
+            return self
+        return Limits(
+            **{f.name: _pick(getattr(override, f.name), getattr(self, f.name)) for f in fields(self)}
+        )
+
+    @property
+    def unlimited(self) -> bool:
+        return all(getattr(self, name) is None for name in LIMITS)
+
+
+def _pick(override: int | None, base: int | None) -> int | None:
+    return base if override is None else override
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One holder of limits: ``tenant:<id>`` or ``key:<id>``. Keys of a scope share its Redis hash slot."""
+
+    name: str
+    limits: Limits
+
+    def key(self, part: str) -> str:
+        return f"{PREFIX}:{{{self.name}}}:{part}"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where a limit stands for the caller: what the x-ratelimit-* headers report."""
+
+    limit: int
+    remaining: int
+    reset_ms: int  # until the window frees room (the oldest entry leaves it)
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    limit: str | None = None  # the limit that rejected the request
+    scope: str | None = None
+    retry_after_ms: int = 0
+    requests: Window | None = None  # the tightest rpm window over the scopes
+    tokens: Window | None = None  # the tightest tpm window over the scopes
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's rate-limit headers (durations spelled as OpenAI does: ``1s``, ``6m0s``)."""
+        out: dict[str, str] = {}
+        for kind, window in (("requests", self.requests), ("tokens", self.tokens)):
+            if window is None:
+                continue
+            out[f"x-ratelimit-limit-{kind}"] = str(window.limit)
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(window.remaining, 0))
+            out[f"x-ratelimit-reset-{kind}"] = duration(window.reset_ms)
+        if not self.admitted:
+            out["retry-after"] = str(max(1, -(-self.retry_after_ms // 1000)))
+        return out
+
+
+class QuotaUnavailable(Exception):
+    """Redis could not be reached: no request is admitted without its quota being checked."""
+
+
+def duration(ms: int) -> str:
+    """``1s``, ``250ms``, ``6m0s``, ``1h2m3s``: how OpenAI's x-ratelimit-reset-* headers spell durations."""
+    if ms < 1000:
+        return f"{max(ms, 0)}ms"
+    seconds = -(-ms // 1000)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+# KEYS per scope (6 each): rpm log, tpm log, tpm amounts, leases, day counter, month counter.
+# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, then 5 limits per scope.
+# Returns {admitted, failing scope index (1-based, 0 = none), failing limit index, retry ms,
+#          per scope: rpm used, rpm reset ms, tpm used, tpm reset ms}.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rid, tokens = ARGV[1], tonumber(ARGV[2])
+local window, lease_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local day_ttl, month_ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
+local nscopes = #KEYS / 6
+
+local function expire_tokens(log, amounts)
+  local old = redis.call('ZRANGEBYSCORE', log, '-inf', now - window)
+  for _, member in ipairs(old) do
+    local n = tonumber(redis.call('HGET', amounts, member) or '0')
+    redis.call('HINCRBY', amounts, '__total', -n)
+    redis.call('HDEL', amounts, member)
+  end
+  if #old > 0 then redis.call('ZREMRANGEBYSCORE', log, '-inf', now - window) end
+end
+
+local function reset_ms(log)
+  local first = redis.call('ZRANGE', log, 0, 0, 'WITHSCORES')
+  if #first == 0 then return 0 end
+  return math.max(tonumber(first[2]) + window - now, 0)
+end
+
+local state = {}
+local fail_scope, fail_limit, retry = 0, 0, 0
+for s = 1, nscopes do
+  local k = (s - 1) * 6
+  local rpm_log, tpm_log, amounts, leases = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+  local day, month = KEYS[k + 5], KEYS[k + 6]
+  local a = 6 + (s - 1) * 5
+  local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local daily, monthly = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  redis.call('ZREMRANGEBYSCORE', rpm_log, '-inf', now - window)
+  expire_tokens(tpm_log, amounts)
+  redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+  local rpm_used = redis.call('ZCARD', rpm_log)
+  local tpm_used = tonumber(redis.call('HGET', amounts, '__total') or '0')
+  state[s] = {rpm_used, reset_ms(rpm_log), tpm_used, reset_ms(tpm_log)}
+  if fail_scope == 0 then
+    if rpm >= 0 and rpm_used + 1 > rpm then
+      fail_scope, fail_limit, retry = s, 1, math.max(state[s][2], 1)
+    elseif tpm >= 0 and tpm_used + tokens > tpm then
+      fail_scope, fail_limit = s, 2
+      -- tokens free up as old reservations leave the window; one too large for the limit never fits
+      retry = tokens > tpm and window or math.max(state[s][4], 1)
+    elseif conc >= 0 and redis.call('ZCARD', leases) + 1 > conc then
+      fail_scope, fail_limit, retry = s, 3, 1000  -- a slot frees when any request ends
+    elseif daily >= 0 and tonumber(redis.call('GET', day) or '0') + tokens > daily then
+      fail_scope, fail_limit, retry = s, 4, day_ttl * 1000
+    elseif monthly >= 0 and tonumber(redis.call('GET', month) or '0') + tokens > monthly then
+      fail_scope, fail_limit, retry = s, 5, month_ttl * 1000
+    end
+  end
+end
+
+local out = {fail_scope == 0 and 1 or 0, fail_scope, fail_limit, retry}
+for s = 1, nscopes do
+  local k = (s - 1) * 6
+  if fail_scope == 0 then
+    redis.call('ZADD', KEYS[k + 1], now, rid)
+    redis.call('PEXPIRE', KEYS[k + 1], window)
+    redis.call('ZADD', KEYS[k + 2], now, rid)
+    redis.call('HSET', KEYS[k + 3], rid, tokens)
+    redis.call('HINCRBY', KEYS[k + 3], '__total', tokens)
+    redis.call('PEXPIRE', KEYS[k + 2], window)
+    redis.call('PEXPIRE', KEYS[k + 3], window)
+    redis.call('ZADD', KEYS[k + 4], now + lease_ttl, rid)
+    redis.call('PEXPIRE', KEYS[k + 4], lease_ttl)
+    redis.call('INCRBY', KEYS[k + 5], tokens)
+    redis.call('EXPIRE', KEYS[k + 5], day_ttl + 3600)
+    redis.call('INCRBY', KEYS[k + 6], tokens)
+    redis.call('EXPIRE', KEYS[k + 6], month_ttl + 3600)
+    state[s][1] = state[s][1] + 1
+    state[s][3] = state[s][3] + tokens
+    if state[s][2] == 0 then state[s][2] = window end
+    if state[s][4] == 0 then state[s][4] = window end
+  end
+  for _, v in ipairs(state[s]) do table.insert(out, v) end
+end
+return out
+"""
+
+# KEYS per scope (4 each): tpm amounts, leases, day counter, month counter.
+# ARGV: request id, tokens to give back (reserved - actual, may be negative), release lease (1/0).
+_SETTLE = """
+local rid, delta, release = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+for s = 1, #KEYS / 4 do
+  local k = (s - 1) * 4
+  local amounts = KEYS[k + 1]
+  local held = redis.call('HGET', amounts, rid)
+  if held then  -- still inside the tpm window: correct the reservation there too
+    local n = math.max(tonumber(held) - delta, 0)
+    redis.call('HSET', amounts, rid, n)
+    redis.call('HINCRBY', amounts, '__total', n - tonumber(held))
+  end
+  if delta ~= 0 then
+    for _, counter in ipairs({KEYS[k + 3], KEYS[k + 4]}) do
+      if redis.call('EXISTS', counter) == 1 then
+        redis.call('INCRBY', counter, -delta)
+      end
+    end
+  end
+  if release then redis.call('ZREM', KEYS[k + 2], rid) end
+end
+return 1
+"""
+
+# KEYS: the leases of each scope. ARGV: request id, lease ttl ms.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, leases in ipairs(KEYS) do
+  redis.call('ZADD', leases, 'XX', now + tonumber(ARGV[2]), ARGV[1])
+  redis.call('PEXPIRE', leases, tonumber(ARGV[2]))
+end
+return 1
+"""
+
+
+def _period_keys(scope: Scope, now: datetime) -> tuple[str, str]:
+    return scope.key(f"day:{now:%Y-%m-%d}"), scope.key(f"month:{now:%Y-%m}")
+
+
+def _period_ttls(now: datetime) -> tuple[int, int]:
+    """Seconds until the end of the UTC day and month: when a budget resets."""
+    day_end = datetime(now.year, now.month, now.day, tzinfo=timezone.utc).timestamp() + 86400
+    last = calendar.monthrange(now.year, now.month)[1]
+    month_end = datetime(now.year, now.month, last, tzinfo=timezone.utc).timestamp() + 86400
+    ts = now.timestamp()
+    return max(int(day_end - ts), 1), max(int(month_end - ts), 1)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What an admitted request holds, to settle when it ends."""
+
+    request_id: str
+    scopes: tuple[Scope, ...]
+    tokens: int
+    day: datetime
+
+
+class Quotas:
+    """Admission, lease renewal and settlement against one Redis (shared by every API replica)."""
+
+    def __init__(self, redis: Redis, lease_ttl_ms: int = LEASE_TTL_MS, window_ms: int = WINDOW_MS):
+        self.redis = redis
+        self.lease_ttl_ms = lease_ttl_ms
+        self.window_ms = window_ms
+        self._admit = redis.register_script(_ADMIT)
+        self._settle = redis.register_script(_SETTLE)
+        self._renew = redis.register_script(_RENEW)
+
+    async def admit(
+        self, request_id: str, scopes: list[Scope], tokens: int
+    ) -> tuple[Decision, Reservation | None]:
+        """Check every limit of every scope, and take from all of them only if all allow the request."""
+        scopes = [s for s in scopes if not s.limits.unlimited]
+        now = datetime.now(timezone.utc)
+        if not scopes:
+            return Decision(admitted=True), Reservation(request_id, (), tokens, now)
+        day_ttl, month_ttl = _period_ttls(now)
+        keys: list[str] = []
+        args: list[int | str] = [request_id, tokens, self.window_ms, self.lease_ttl_ms, day_ttl, month_ttl]
+        for scope in scopes:
+            day, month = _period_keys(scope, now)
+            keys += [
+                scope.key("rpm"),
+                scope.key("tpm"),
+                scope.key("tpm:amounts"),
+                scope.key("leases"),
+                day,
+                month,
+            ]
+        for scope in scopes:
+            args += [
+                _UNLIMITED if getattr(scope.limits, n) is None else getattr(scope.limits, n) for n in LIMITS
+            ]
+        try:
+            out = [int(x) for x in await self._admit(keys=keys, args=args)]
+        except RedisError as exc:
+            raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
+        admitted, fail_scope, fail_limit, retry_ms = out[:4]
+        decision = Decision(
+            admitted=bool(admitted),
+            limit=LIMITS[fail_limit - 1] if fail_limit else None,
+            scope=scopes[fail_scope - 1].name if fail_scope else None,
+            retry_after_ms=retry_ms,
+            requests=_tightest(scopes, out[4:], "rpm", 0),
+            tokens=_tightest(scopes, out[4:], "tpm", 2),
+        )
+        return decision, (Reservation(request_id, tuple(scopes), tokens, now) if admitted else None)
+
+    async def renew(self, reservation: Reservation) -> None:
+        """Extend the request's concurrency leases; call while it streams (well within the lease TTL)."""
+        if not reservation.scopes:
+            return
+        try:
+            await self._renew(
+                keys=[s.key("leases") for s in reservation.scopes],
+                args=[reservation.request_id, self.lease_ttl_ms],
+            )
+        except RedisError as exc:
+            raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
+
+    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
+        """The request ended having used ``used_tokens``: give back the rest of the reservation everywhere it
+        still counts and release its concurrency lease. ``used_tokens=0`` releases it in full."""
+        if not reservation.scopes:
+            return
+        keys: list[str] = []
+        for scope in reservation.scopes:
+            day, month = _period_keys(scope, reservation.day)
+            keys += [scope.key("tpm:amounts"), scope.key("leases"), day, month]
+        delta = reservation.tokens - max(used_tokens, 0)
+        try:
+            await self._settle(keys=keys, args=[reservation.request_id, delta, 1])
+        except RedisError as exc:
+            raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
+
+    async def in_flight(self, scope: Scope) -> int:
+        """Live concurrency leases of ``scope`` (expired ones do not count)."""
+        t = await self.redis.time()
+        now_ms = t[0] * 1000 + t[1] // 1000
+        return await self.redis.zcount(scope.key("leases"), now_ms, "+inf")
+
+
+def _tightest(scopes: list[Scope], state: list[int], limit: str, offset: int) -> Window | None:
+    """The window with the least room left among the scopes that set ``limit``."""
+    best: Window | None = None
+    for i, scope in enumerate(scopes):
+        value = getattr(scope.limits, limit)
+        if value is None:
+            continue
+        used, reset = state[i * 4 + offset], state[i * 4 + offset + 1]
+        window = Window(limit=value, remaining=value - used, reset_ms=reset)
+        if best is None or window.remaining < best.remaining:
+            best = window
+    return best
