@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
+import httpx
 import pytest
+import redis
 from sqlalchemy import event, select
 from tessera import auth, db, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey
 
+REPO = Path(__file__).resolve().parents[1]
 KEY_RE = re.compile(r"^tsk_[a-z0-9]{8}_[A-Za-z0-9_-]{32,}$")
 
 
@@ -171,7 +183,7 @@ def test_the_cache_is_bounded(session, acme_key):
     raws = [tenancy.create_key(session, "acme")[1] for _ in range(5)]
     for raw in raws:
         assert auth.verify_key(session, raw, cache=cache) is not None
-    assert len(cache._entries) == 3
+    assert len(cache) == 3
 
 
 def test_a_verified_key_stays_readable_after_its_session_closes(engine, acme_key):
@@ -194,3 +206,218 @@ def test_list_keys_shows_a_tenants_keys_in_creation_order(session, acme_key):
     second, _ = tenancy.create_key(session, "acme", name="second")
     assert [k.name for k in tenancy.list_keys(session, "acme")] == ["ci", "second"]
     assert [k.id for k in tenancy.list_keys(session, "acme", limit=1, offset=1)] == [second.id]
+
+
+# --- every API process: revocation, disabling and expiry reach all of them within a second ------------------
+
+REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+SECRET = "auth-test-server-secret-" + uuid.uuid4().hex
+PROPAGATION_S = 1.0  # the promise: a revoked, disabled or expired key is refused everywhere within this
+
+
+@pytest.fixture(scope="module")
+def redis_client():
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    client.ping()  # CI runs Redis; a missing one is a broken environment, not a reason to skip
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def key_version(redis_client):
+    """A key-version counter of this test's own, so other tests' key changes can't disturb the counts."""
+    name = f"tessera:test:key-version:{uuid.uuid4().hex}"
+    yield auth.KeyVersion(redis_client, name)
+    redis_client.delete(name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ApiProcesses:
+    database_url: str
+    env: dict[str, str]
+    urls: list[str]
+    logs: list[Path]
+
+    def status(self, url: str, raw: str) -> int:
+        return httpx.get(
+            f"{url}/v1/models", headers={"Authorization": f"Bearer {raw}"}, timeout=5
+        ).status_code
+
+    def refused_everywhere_within(self, raw: str, limit_s: float) -> list[float]:
+        """Seconds until each process first answered 401 (polling until twice the limit)."""
+        start = time.monotonic()
+        seen: dict[str, float] = {}
+        while len(seen) < len(self.urls) and time.monotonic() - start < 2 * limit_s:
+            for url in self.urls:
+                if url not in seen and self.status(url, raw) == 401:
+                    seen[url] = time.monotonic() - start
+            time.sleep(0.02)
+        return [seen.get(url, float("inf")) for url in self.urls]
+
+
+@pytest.fixture(scope="module")
+def api_processes(tmp_path_factory, redis_client):
+    """Two `tessera api` processes (replicas) sharing one Redis and one SQLite database."""
+    data = tmp_path_factory.mktemp("replicas")
+    database_url = f"sqlite:///{data / 'tessera.db'}"
+    db.upgrade(database_url)
+    env = {
+        **os.environ,
+        "TESSERA_DATA_DIR": str(data),
+        "TESSERA_DATABASE_URL": database_url,
+        "TESSERA_REDIS_URL": REDIS_URL,
+        "TESSERA_SECRET_KEY": SECRET,
+        "TESSERA_RECORDS_STREAM": f"tessera:test:records:{uuid.uuid4().hex}",
+    }
+    procs, urls, logs = [], [], []
+    for i in range(2):
+        port = _free_port()
+        log = data / f"api-{i}.log"
+        with log.open("wb") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tessera.cli", "api", "--port", str(port)],
+                    env=env,
+                    cwd=REPO,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        urls.append(f"http://127.0.0.1:{port}")
+        logs.append(log)
+    try:
+        for url, proc, log in zip(urls, procs, logs, strict=True):
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, f"the API process exited: {log.read_text()}"
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"the API did not start: {log.read_text()}"
+                time.sleep(0.1)
+        yield ApiProcesses(database_url, env, urls, logs)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+        redis_client.delete(env["TESSERA_RECORDS_STREAM"])
+
+
+@pytest.fixture
+def replica_session(api_processes):
+    engine = db.make_engine(api_processes.database_url)
+    with db.session_factory(engine)() as session:
+        yield session
+    engine.dispose()
+
+
+def _tenant_with_key(session, **key_options) -> tuple[str, ApiKey, str]:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    tenancy.create_tenant(session, name)
+    key, raw = tenancy.create_key(session, name, **key_options)
+    return name, key, raw
+
+
+def test_a_key_revoked_with_the_cli_is_refused_by_every_api_process_within_a_second(
+    api_processes, replica_session
+):
+    _, key, raw = _tenant_with_key(replica_session)
+    assert [api_processes.status(url, raw) for url in api_processes.urls] == [200, 200]  # cached in both
+    subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "keys", "revoke", key.prefix],
+        env=api_processes.env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    assert max(api_processes.refused_everywhere_within(raw, PROPAGATION_S)) < PROPAGATION_S
+
+
+def test_a_disabled_tenants_keys_are_refused_by_every_api_process_within_a_second(
+    api_processes, replica_session, redis_client
+):
+    name, _, raw = _tenant_with_key(replica_session)
+    assert [api_processes.status(url, raw) for url in api_processes.urls] == [200, 200]
+    tenancy.set_tenant_disabled(replica_session, name, True, version=auth.KeyVersion(redis_client))
+    assert max(api_processes.refused_everywhere_within(raw, PROPAGATION_S)) < PROPAGATION_S
+    tenancy.set_tenant_disabled(replica_session, name, False, version=auth.KeyVersion(redis_client))
+    assert [api_processes.status(url, raw) for url in api_processes.urls] == [200, 200]
+
+
+def test_an_expired_key_is_refused_by_every_api_process_within_a_second(api_processes, replica_session):
+    expires_at = datetime.now(timezone.utc) + timedelta(seconds=1.5)
+    _, _, raw = _tenant_with_key(replica_session, expires_at=expires_at)
+    assert [api_processes.status(url, raw) for url in api_processes.urls] == [200, 200]
+    time.sleep(max(0.0, (expires_at - datetime.now(timezone.utc)).total_seconds()))
+    assert max(api_processes.refused_everywhere_within(raw, PROPAGATION_S)) < PROPAGATION_S
+
+
+def test_the_api_processes_never_print_the_server_secret(api_processes, replica_session):
+    _, _, raw = _tenant_with_key(replica_session)
+    for url in api_processes.urls:
+        assert api_processes.status(url, raw) == 200
+        assert api_processes.status(url, "tsk_zzzzzzzz_" + "x" * 43) == 401
+    for log in api_processes.logs:
+        assert SECRET not in log.read_text()
+
+
+# --- the key version: what a process checks on every request ---------------------------------------------
+
+
+def test_a_key_change_in_another_process_drops_this_processs_cached_keys(
+    session, acme_key, queries, key_version
+):
+    _, raw = acme_key
+    cache = auth.KeyCache()
+    assert auth.verify_key(session, raw, cache=cache, version=key_version) is not None
+    assert auth.verify_key(session, raw, cache=cache, version=key_version) is not None
+    assert len(queries) == 1  # the second call was served from the cache
+    key_version.bump()  # what another process's revoke or disable does after its commit
+    assert auth.verify_key(session, raw, cache=cache, version=key_version) is not None
+    assert len(queries) == 2
+
+
+def test_revoking_bumps_the_key_version_after_the_commit(session, acme_key, key_version):
+    key, raw = acme_key
+    before = key_version.current()
+    cache = auth.KeyCache()
+    assert auth.verify_key(session, raw, cache=cache, version=key_version) is not None
+    tenancy.revoke_key(session, key.prefix, version=key_version)
+    assert key_version.current() != before
+    assert auth.verify_key(session, raw, cache=cache, version=key_version) is None
+
+
+def test_an_unreachable_redis_bypasses_the_cache_instead_of_trusting_it(session, acme_key, queries):
+    _, raw = acme_key
+    down = auth.KeyVersion(redis.Redis(port=_free_port(), socket_connect_timeout=0.5))
+    cache = auth.KeyCache()
+    for _ in range(3):  # nothing to compare cached keys against: every call reads the database
+        assert auth.verify_key(session, raw, cache=cache, version=down) is not None
+    assert len(queries) == 3
+    assert len(cache) == 0
+
+
+def test_an_expired_key_is_refused_even_from_the_cache(session, acme_key):
+    tenancy.create_tenant(session, "soon")
+    key, raw = tenancy.create_key(
+        session, "soon", expires_at=datetime.now(timezone.utc) + timedelta(seconds=0.5)
+    )
+    cache = auth.KeyCache()
+    assert auth.verify_key(session, raw, cache=cache) is not None
+    assert len(cache) == 1
+    time.sleep(max(0.0, (key.expires_at - datetime.now(timezone.utc)).total_seconds()) + 0.01)
+    assert auth.verify_key(session, raw, cache=cache) is None
+
+
+def test_a_key_cannot_be_created_already_expired(session, acme_key):
+    with pytest.raises(tenancy.InvalidConfig, match="expires_at .* is in the past"):
+        tenancy.create_key(session, "acme", expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))

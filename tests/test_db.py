@@ -206,6 +206,22 @@ def test_derived_keys_are_separate_per_purpose_and_follow_the_secret(tmp_path):
     assert not (tmp_path / "secret_key").exists()  # an explicit secret is never written to disk
 
 
+def test_the_server_secret_is_never_printed(tmp_path, monkeypatch, caplog):
+    secret = "server-secret-" + uuid.uuid4().hex
+    monkeypatch.setenv("TESSERA_SECRET_KEY", secret)
+    settings = Settings(data_dir=tmp_path)
+    assert settings.secret == secret.encode()  # still usable where it is needed
+    generated = Settings(data_dir=tmp_path / "generated", secret_key=None)
+    stored = generated.secret.decode()
+    with caplog.at_level("DEBUG"):
+        get_settings.cache_clear()
+        shown = [repr(settings), str(settings), settings.model_dump_json(), str(settings.model_dump())]
+        shown += [repr(generated), generated.model_dump_json(), repr(get_settings())]
+        get_settings.cache_clear()
+    assert not [text for text in shown if secret in text or stored in text]
+    assert secret not in caplog.text
+
+
 # --- engines and URLs ------------------------------------------------------------------------------------
 
 

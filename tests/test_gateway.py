@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,7 +27,7 @@ import pytest
 import redis
 import uvicorn
 from fastapi.testclient import TestClient
-from tessera import db, routing, tenancy
+from tessera import db, records, routing, tenancy
 from tessera.app import create_app
 from tessera.models import RequestRecord
 from tessera.settings import Settings
@@ -179,7 +181,13 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, demo_model_dir, redis_url):
     data = tmp_path_factory.mktemp("gateway")
-    settings = Settings(data_dir=data, redis_url=redis_url, secret_key="gateway-test-secret-" * 3)
+    records_stream = f"tessera:test:records:{uuid.uuid4().hex}"  # its own: other runs share this Redis
+    settings = Settings(
+        data_dir=data,
+        redis_url=redis_url,
+        secret_key="gateway-test-secret-" * 3,
+        records_stream=records_stream,
+    )
     db.upgrade(settings.database_url)
     sessions = db.session_factory(db.make_engine(settings.database_url))
     suffix = uuid.uuid4().hex[:8]
@@ -224,6 +232,7 @@ def stack(tmp_path_factory, demo_model_dir, redis_url):
         )
     for name, pool in ((model, "prefill"), (model, "decode"), (colocated, "serve")):
         client_redis.delete(workers_key(name, pool))
+    client_redis.delete(records_stream, records.dead_letters(records_stream))
 
 
 @pytest.fixture
@@ -425,6 +434,99 @@ def test_oversized_body_is_413_when_streamed_without_content_length(gw):
 def test_unknown_route_and_wrong_method_are_openai_errors(gw):
     assert_openai_error(gw.client.get("/v1/nothing-here"), 404, "not_found")
     assert_openai_error(gw.client.get("/v1/chat/completions", headers=gw.auth()), 405, "method_not_allowed")
+
+
+def post_raw(gw, path: str, body: dict, content_type: str = "application/json") -> httpx.Response:
+    # json.dumps escapes a lone surrogate as \ud800, as any JSON client may send it; httpx's json=
+    # would refuse to encode it.
+    headers = {**gw.auth(), "Content-Type": content_type}
+    return gw.client.post(path, headers=headers, content=json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    "path, field, body",
+    [
+        ("/v1/chat/completions", "messages", {"messages": _msgs("a\ud800b")}),
+        ("/v1/chat/completions", "messages", {"messages": _msgs([{"type": "text", "text": "\udfff"}])}),
+        ("/v1/completions", "prompt", {"prompt": "def f():\ud800"}),
+        ("/v1/completions", "prompt", {"prompt": ["\ud800"]}),
+        ("/v1/completions", "stop", {"prompt": "x", "stop": ["\ud800"]}),
+        ("/v1/completions", "model", {"prompt": "x", "model": "@test/\ud800"}),
+    ],
+    ids=["chat-content", "chat-text-part", "prompt", "prompt-list", "stop", "model"],
+)
+def test_lone_surrogates_in_text_are_400_naming_the_field(gw, path, field, body, stream):
+    response = post_raw(gw, path, {"model": gw.model, **body, "stream": stream})
+    error = assert_openai_error(response, 400, "invalid_request")
+    assert error["param"] == field
+    assert "surrogate" in error["message"] and "UTF-8" in error["message"]
+    assert gw.pools.sent == []
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2.5, 2.01, 100])
+def test_penalties_outside_openais_range_are_400(gw, name, value):
+    error = assert_openai_error(gw.chat(**{name: value}), 400, "invalid_request")
+    assert error["param"] == name and "2" in error["message"]
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [-2, 0.5, 2])
+def test_non_zero_penalties_are_refused_as_not_supported_never_ignored(gw, name, value):
+    error = assert_openai_error(gw.chat(**{name: value}), 400, "invalid_request")
+    assert error["param"] == name and "not supported" in error["message"]
+    assert gw.pools.sent == []
+
+
+def test_zero_penalties_change_nothing_and_are_accepted(gw):
+    assert gw.chat(presence_penalty=0, frequency_penalty=0.0).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"role": "user", "content": None}, {"role": "user"}, {"role": "system", "content": None}],
+    ids=["user-null", "user-missing", "system-null"],
+)
+def test_a_message_without_content_is_400(gw, message):
+    body = {"model": gw.model, "messages": [message]}
+    response = gw.client.post("/v1/chat/completions", headers=gw.auth(), json=body)
+    error = assert_openai_error(response, 400, "invalid_request")
+    assert error["param"] == "messages" and "content" in error["message"]
+    assert gw.pools.sent == []
+
+
+def test_an_assistant_message_may_have_null_content_as_in_openais_api(gw):
+    messages = [*_msgs("Hi"), {"role": "assistant", "content": None}, *_msgs("again")]
+    body = {"model": gw.model, "messages": messages}
+    assert gw.client.post("/v1/chat/completions", headers=gw.auth(), json=body).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/xml"],
+)
+def test_a_body_that_is_not_declared_json_is_415(gw, content_type):
+    body = {"model": gw.model, "messages": _msgs()}
+    error = assert_openai_error(post_raw(gw, "/v1/chat/completions", body, content_type), 415)
+    assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+    assert gw.pools.sent == []
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", None])
+def test_json_content_types_and_a_missing_one_are_accepted(gw, content_type):
+    body = json.dumps({"model": gw.model, "messages": _msgs()}).encode()
+    headers = gw.auth() if content_type is None else {**gw.auth(), "Content-Type": content_type}
+    response = gw.client.post("/v1/chat/completions", headers=headers, content=body)
+    assert response.status_code == 200, response.text
+
+
+def test_unknown_top_level_fields_are_ignored_as_openai_does(gw):
+    assert gw.chat(max_tokens=5).status_code == 200
+    response = gw.chat(max_tokens=5, metadata={"k": "v"}, store=True, some_future_field=[1, 2])
+    assert response.status_code == 200, response.text
+    plain, extra = (sent.task for sent in gw.pools.sent)
+    assert (extra.prompt_ids, extra.sampling) == (plain.prompt_ids, plain.sampling)
 
 
 # -- routing ---------------------------------------------------------------------------------------------------
@@ -638,15 +740,67 @@ def _record(stack: Stack, rid: str) -> RequestRecord | None:
 
 
 def test_completed_and_failed_requests_are_recorded_once(gw):
-    gw.pools.script = reply(cached=16)
+    gw.pools.script = reply(cached=4)
     ok = gw.chat()
     record = wait_for(lambda: _record(gw, ok.headers["x-request-id"]))
-    assert (record.status, record.completion_tokens, record.cached_tokens) == ("completed", 3, 16)
+    assert (record.status, record.completion_tokens, record.cached_tokens) == ("completed", 3, 4)
     assert record.prompt_tokens == ok.json()["usage"]["prompt_tokens"] and record.deployment == gw.model
+    assert record.model == gw.model
+    assert 0 <= record.ttft_s <= record.duration_s
+    assert record.created_at < record.finished_at
     gw.pools.script = fail("kv_integrity_violation")
     bad = gw.chat()
     record = wait_for(lambda: _record(gw, bad.headers["x-request-id"]))
     assert (record.status, record.error_code) == ("failed", "kv_integrity_violation")
+    assert record.ttft_s is None  # no token came
+
+
+def _outcome(stack: Stack, rid: str) -> dict | None:
+    for _, fields in stack.pools.redis.xrange(stack.settings.records_stream):
+        outcome = json.loads(fields[records.OUTCOME_FIELD.encode()])
+        if outcome["request_id"] == rid:
+            return outcome
+    return None
+
+
+def test_each_outcome_on_the_stream_carries_what_billing_needs(gw):
+    gw.pools.script = reply(cached=4)
+    response = gw.chat()
+    rid = response.headers["x-request-id"]
+    outcome = wait_for(lambda: _outcome(gw, rid))
+    with gw.sessions() as session:
+        key = tenancy.get_key(session, gw.key)
+    usage = response.json()["usage"]
+    assert outcome["tenant_id"] == key.tenant_id and outcome["key_id"] == key.id
+    assert (outcome["deployment"], outcome["model"], outcome["status"]) == (gw.model, gw.model, "completed")
+    assert (outcome["prompt_tokens"], outcome["cached_tokens"]) == (usage["prompt_tokens"], 4)
+    assert outcome["fresh_tokens"] == usage["prompt_tokens"] - 4
+    assert outcome["output_tokens"] == usage["completion_tokens"] == 3
+    assert outcome["error_code"] is None
+    started, first, finished = (
+        datetime.fromisoformat(outcome[k]) for k in ("started_at", "first_token_at", "finished_at")
+    )
+    assert started <= first <= finished
+    assert outcome["ttft_s"] == (first - started).total_seconds()
+    assert outcome["duration_s"] == (finished - started).total_seconds()
+
+
+def test_a_record_is_kept_while_the_database_refuses_writes(gw):
+    """The database is locked for longer than a writer waits for it: the record arrives once it is free."""
+    path = gw.settings.database_url.removeprefix("sqlite:///")
+    lock = sqlite3.connect(path, timeout=10)
+    lock.execute("BEGIN IMMEDIATE")  # holds SQLite's write lock; reads (auth, models) still work
+    try:
+        response = gw.chat()
+        assert response.status_code == 200
+        rid = response.headers["x-request-id"]
+        time.sleep(6)  # past the 5 s busy timeout: a write attempted now fails
+        assert _record(gw, rid) is None
+    finally:
+        lock.rollback()
+        lock.close()
+    record = wait_for(lambda: _record(gw, rid), timeout_s=30)
+    assert record.status == "completed"
 
 
 # -- health ----------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The gateway's FastAPI app: ``create_app(settings)`` wires the database, Redis, Celery and the routers.
+"""The gateway's FastAPI app: ``create_app(settings)`` wires the database, Redis, Celery, the request
+records (outcome stream and its writer) and the routers.
 
 Torch-free by design: from gpu_workers it imports only ``protocol``, ``tokenizer`` and ``checkpoint``.
 """
@@ -9,11 +10,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import connect_redis, make_celery
 from tessera import db
 from tessera.api import errors, health, inference
 from tessera.api.catalog import Catalog
+from tessera.auth import KeyVersion
+from tessera.records import Recorder, RecordWriter
 from tessera.settings import Settings, get_settings
 
 
@@ -27,22 +31,36 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = db.make_engine(settings.database_url)
     sessions = db.session_factory(engine)
     redis = connect_redis(settings.redis_url, asyncio=True)
+    # For the threads: key verification (FastAPI runs sync dependencies in a pool) and the records writer.
+    sync_redis = connect_redis(settings.redis_url)
     celery = make_celery(settings.redis_url)
-    recorder = inference.Recorder(sessions)
+    recorder = Recorder(redis, settings.records_stream, settings.records_stream_maxlen)
+    writer = RecordWriter(
+        sync_redis,
+        sessions,
+        settings.records_stream,
+        maxlen=settings.records_stream_maxlen,
+        claim_idle_s=settings.records_claim_idle_s,
+    )
     gateway = inference.Gateway(settings, Catalog(sessions), redis, celery, recorder)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        writer.start()
         yield
-        recorder.close()
+        await recorder.close()
+        await run_in_threadpool(writer.stop)
         await redis.aclose()
+        sync_redis.close()
         celery.close()
         engine.dispose()
 
     app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.sessions = sessions
+    app.state.key_version = KeyVersion(sync_redis)
     app.state.gateway = gateway
+    app.state.records_writer = writer
     errors.install(app, settings.max_body_bytes)
     app.include_router(inference.router)
     app.include_router(health.router)

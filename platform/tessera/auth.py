@@ -1,4 +1,5 @@
-"""API keys: ``tsk_<8-char prefix>_<secret>``, stored as the prefix plus a salted hash, verified in constant time.
+"""API keys: ``tsk_<8-char prefix>_<secret>``, stored as the prefix plus a salted hash, verified in constant time,
+cached per process under a key version shared through Redis.
 
 Hashing is one SHA-256 over a per-key random salt and the key. A slow password hash (scrypt, bcrypt) defends
 low-entropy secrets against guessing; these secrets are 256 random bits, which no amount of hashing speed
@@ -9,24 +10,33 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 import string
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from cachetools import TTLCache
+from redis import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload
 
-from tessera.models import ApiKey
+from gpu_workers.protocol import connect_redis
+from tessera.models import ApiKey, utcnow
+from tessera.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tsk_"
 PREFIX_LEN = 8
 PREFIX_ALPHABET = string.ascii_lowercase + string.digits  # no "_": the prefix must split unambiguously
 SECRET_BYTES = 32  # token_urlsafe(32) gives 43 characters
 MIN_SECRET_LEN = 32
-CACHE_TTL_S = 30.0
+CACHE_TTL_S = 30.0  # how stale a cached key may get when a change could not be announced through Redis
+KEY_VERSION_KEY = "tessera:auth:key-version"
 
 _KEY_RE = re.compile(rf"{KEY_PREFIX}([a-z0-9]{{{PREFIX_LEN}}})_([A-Za-z0-9_-]{{{MIN_SECRET_LEN},128}})")
 # Hashed when the prefix is unknown, so that answer takes as long as a wrong secret for a known prefix.
@@ -61,45 +71,99 @@ def parse_prefix(raw: str) -> str | None:
     return match.group(1) if match else None
 
 
-@dataclass
+class KeyVersion:
+    """A version in Redis that every API process reads on each request: a change to any key or tenant (revoke,
+    disable) sets a new one after its commit, and a process whose cached keys were verified under another
+    version drops them. A read per request, rather than a pub/sub message, so no process can miss a change.
+    Versions are random tokens, not a counter, so a Redis that restarts empty can't bring back an old one.
+    """
+
+    def __init__(self, redis: Redis, name: str = KEY_VERSION_KEY):
+        self.redis = redis
+        self.name = name
+        self._unreachable = False  # warn once per outage, not once per request
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> KeyVersion | None:
+        """The counter in the settings' Redis; None when no Redis is configured (embedded mode's CLI)."""
+        settings = settings or get_settings()
+        if not settings.redis_url:
+            return None
+        return cls(connect_redis(settings.redis_url))
+
+    def current(self) -> bytes | None:
+        """The version now; None when Redis cannot say, so nothing cached can be trusted."""
+        try:
+            value = self.redis.get(self.name) or b""
+        except RedisError as exc:
+            if not self._unreachable:
+                log.warning(
+                    "cannot read the API key version from Redis (%s): verifying keys in the database", exc
+                )
+            self._unreachable = True
+            return None
+        self._unreachable = False
+        return value
+
+    def bump(self) -> None:
+        self.redis.set(self.name, secrets.token_hex(16))
+
+
+def announce_key_change(version: KeyVersion | None) -> None:
+    """Tell every API process to drop its cached keys (call after the change is committed)."""
+    owned = version is None
+    version = version or KeyVersion.from_settings()
+    consequence = (
+        f"the change is saved, but running API processes may act on the old state for up to {CACHE_TTL_S:.0f} s; "
+        "run the command again with TESSERA_REDIS_URL set to the API's Redis to tell them at once"
+    )
+    if version is None:
+        log.warning("TESSERA_REDIS_URL is not set: %s", consequence)
+        return
+    try:
+        version.bump()
+    except RedisError as exc:
+        log.warning("could not reach Redis to tell the API processes (%s): %s", exc, consequence)
+    finally:
+        if owned:
+            version.redis.close()
+
+
 class KeyCache:
     """Verified keys for ``ttl_s`` seconds, keyed by the SHA-256 of the raw key, so the gateway's hot path
-    skips the database. Revoking or disabling invalidates entries in this process at once; other processes
-    (API replicas) stop accepting the key within ``ttl_s``. Only valid keys are cached, so garbage keys
-    cannot grow it."""
+    skips the database. Entries belong to one key version (see ``KeyVersion``): a new version empties the
+    cache, so a key revoked or disabled anywhere stops working here on the next request. ``invalidate``
+    drops entries in this process at once (for callers without Redis). Only valid keys are cached, so
+    garbage keys cannot grow it; the TTL bounds staleness when a change could not be announced."""
 
-    ttl_s: float = CACHE_TTL_S
-    max_entries: int = 10_000
-    _entries: dict[str, tuple[float, ApiKey]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, ttl_s: float = CACHE_TTL_S, max_entries: int = 10_000):
+        self._entries: TTLCache[str, ApiKey] = TTLCache(max_entries, ttl_s, timer=time.monotonic)
+        self._version = b""
+        self._lock = threading.Lock()  # TTLCache is not thread-safe; the gateway verifies on many threads
 
-    def get(self, digest: str) -> ApiKey | None:
+    def __len__(self) -> int:
         with self._lock:
-            entry = self._entries.get(digest)
-            if entry is None:
-                return None
-            if entry[0] <= time.monotonic():
-                del self._entries[digest]
-                return None
-            return entry[1]
+            return len(self._entries)
 
-    def put(self, digest: str, key: ApiKey) -> None:
+    def get(self, digest: str, version: bytes = b"") -> ApiKey | None:
         with self._lock:
-            if len(self._entries) >= self.max_entries:
-                now = time.monotonic()
-                self._entries = {d: e for d, e in self._entries.items() if e[0] > now}
-                if len(self._entries) >= self.max_entries:
-                    self._entries.pop(next(iter(self._entries)))  # the oldest insertion
-            self._entries[digest] = (time.monotonic() + self.ttl_s, key)
+            if version != self._version:
+                self._entries.clear()
+                self._version = version
+            return self._entries.get(digest)
+
+    def put(self, digest: str, key: ApiKey, version: bytes = b"") -> None:
+        with self._lock:
+            # A key read under an older version may already be revoked: caching it would outlive the change.
+            if version == self._version:
+                self._entries[digest] = key
 
     def invalidate(self, *, prefix: str | None = None, tenant_id: str | None = None) -> None:
         """Drop the entries of one key (by prefix) or of all a tenant's keys."""
         with self._lock:
-            self._entries = {
-                d: (expiry, key)
-                for d, (expiry, key) in self._entries.items()
-                if key.prefix != prefix and key.tenant_id != tenant_id
-            }
+            for digest, key in list(self._entries.items()):
+                if key.prefix == prefix or key.tenant_id == tenant_id:
+                    del self._entries[digest]
 
     def clear(self) -> None:
         with self._lock:
@@ -109,11 +173,14 @@ class KeyCache:
 key_cache = KeyCache()  # this process's cache; tests call key_cache.clear()
 
 
-def verify_key(session: Session, raw: str | None, cache: KeyCache | None = None) -> ApiKey | None:
-    """The key ``raw`` names if it is valid; None alike for missing, malformed, unknown and revoked keys and
-    for keys of disabled tenants, so a caller can't tell which.
+def verify_key(
+    session: Session, raw: str | None, cache: KeyCache | None = None, version: KeyVersion | None = None
+) -> ApiKey | None:
+    """The key ``raw`` names if it is valid; None alike for missing, malformed, unknown, revoked and expired
+    keys and for keys of disabled tenants, so a caller can't tell which.
 
-    The key comes back detached from ``session``, with its tenant loaded, and may be shared with later
+    ``version``: the shared key version (API processes pass one); without it the cache serves this process
+    alone. The key comes back detached from ``session``, with its tenant loaded, and may be shared with later
     calls through the cache: read it, never modify it (use ``tessera.tenancy`` to change keys).
     """
     cache = key_cache if cache is None else cache
@@ -122,10 +189,13 @@ def verify_key(session: Session, raw: str | None, cache: KeyCache | None = None)
     prefix = parse_prefix(raw)
     if prefix is None:
         return None
+    # Read before the database: a change committed after this read bumps the version past it, so what
+    # this call caches is dropped by the next one.
+    current = b"" if version is None else version.current()
     digest = hashlib.sha256(raw.encode()).hexdigest()
-    cached = cache.get(digest)
+    cached = None if current is None else cache.get(digest, current)
     if cached is not None:
-        return cached
+        return cached if not _expired(cached) else None
     key = session.scalars(
         select(ApiKey).options(joinedload(ApiKey.tenant)).where(ApiKey.prefix == prefix)
     ).one_or_none()
@@ -134,9 +204,14 @@ def verify_key(session: Session, raw: str | None, cache: KeyCache | None = None)
         return None
     if not hmac.compare_digest(hash_key(raw, key.salt), key.hash):
         return None
-    if key.revoked_at is not None or key.tenant.disabled:
+    if key.revoked_at is not None or key.tenant.disabled or _expired(key):
         return None
     session.expunge(key.tenant)
     session.expunge(key)
-    cache.put(digest, key)
+    if current is not None:
+        cache.put(digest, key, current)
     return key
+
+
+def _expired(key: ApiKey) -> bool:
+    return key.expires_at is not None and key.expires_at <= utcnow()

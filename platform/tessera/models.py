@@ -100,6 +100,7 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(100), default="")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]  # None: never expires
     last_used_at: Mapped[datetime | None]
 
     tenant: Mapped[Tenant] = relationship()
@@ -182,7 +183,8 @@ class DeploymentAudit(Base):
 
 
 class RequestRecord(Base):
-    """One inference request's outcome and token counts; settled once (see ``tenancy.record_request``)."""
+    """One inference request's outcome, token counts and timings; settled once (see ``tenancy.settle_records``).
+    The gateway's records arrive through the outcome stream (``tessera.records``)."""
 
     __tablename__ = "request_records"
     __table_args__ = (Index("ix_request_records_tenant_id_created_at", "tenant_id", "created_at"),)
@@ -192,10 +194,13 @@ class RequestRecord(Base):
     key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     # The model id as called; no foreign key, so records outlive a deployment's removal or rename.
     deployment: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str | None] = mapped_column(String(200))  # the model id the client asked for
     status: Mapped[str] = mapped_column(String(20))  # one of REQUEST_STATUSES
     prompt_tokens: Mapped[int] = mapped_column(default=0)
     cached_tokens: Mapped[int] = mapped_column(default=0)
     completion_tokens: Mapped[int] = mapped_column(default=0)
     error_code: Mapped[str | None] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ttft_s: Mapped[float | None]  # seconds from the gateway's start of the request to its first token
+    duration_s: Mapped[float | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)  # when the gateway started the request
     finished_at: Mapped[datetime | None]

@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from pydantic import field_validator, model_validator
+from pydantic import SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SECRET_KEY_FILE = "secret_key"
@@ -28,10 +28,21 @@ class Settings(BaseSettings):
     database_url: str | None = None  # None: sqlite:///{data_dir}/tessera.db (filled in at construction)
     host: str = "127.0.0.1"
     port: int = 8787
-    secret_key: str | None = None  # None: generated once into {data_dir}/secret_key (mode 0600)
+    # SecretStr: shown as '**********' in reprs, dumps and logs. None: generated once into
+    # {data_dir}/secret_key (mode 0600).
+    secret_key: SecretStr | None = None
     max_body_bytes: int = 2**20
     request_timeout_s: float = 300.0
     worker_heartbeat_ttl_s: float = 10.0
+    # The Redis Stream of request outcomes (tessera.records): the API writes it, a writer in every API process
+    # drains it into the database, and billing reads it. Installations sharing one Redis need their own.
+    records_stream: str = "tessera:records"
+    # The stream's length bound: outcomes older than this many are trimmed, read or not, so a writer
+    # stopped for that long loses the oldest.
+    records_stream_maxlen: int = 1_000_000
+    # How long an outcome delivered to a writer may stay unacknowledged before another writer claims it
+    # (its first writer died or stalled; writing twice is harmless).
+    records_claim_idle_s: float = 30.0
 
     @field_validator("data_dir")
     @classmethod
@@ -52,7 +63,13 @@ class Settings(BaseSettings):
             raise ValueError(f"port must be between 1 and 65535, got {value}")
         return value
 
-    @field_validator("max_body_bytes", "request_timeout_s", "worker_heartbeat_ttl_s")
+    @field_validator(
+        "max_body_bytes",
+        "request_timeout_s",
+        "worker_heartbeat_ttl_s",
+        "records_stream_maxlen",
+        "records_claim_idle_s",
+    )
     @classmethod
     def _positive(cls, value: float) -> float:
         if value <= 0:
@@ -62,8 +79,8 @@ class Settings(BaseSettings):
     @functools.cached_property
     def secret(self) -> bytes:
         """The server secret: ``secret_key`` if set, else the one stored under data_dir (created on first use)."""
-        if self.secret_key:
-            return self.secret_key.encode()
+        if self.secret_key and self.secret_key.get_secret_value():
+            return self.secret_key.get_secret_value().encode()
         return load_or_create_secret(self.data_dir / SECRET_KEY_FILE).encode()
 
     def derive_key(self, purpose: str) -> bytes:

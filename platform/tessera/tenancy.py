@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from sqlalchemy import Select, select, update
+from sqlalchemy import Select, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -96,12 +97,17 @@ def list_tenants(session: Session, *, limit: int | None = None, offset: int = 0)
     return _page(session, select(Tenant).order_by(Tenant.created_at, Tenant.id), limit, offset)
 
 
-def set_tenant_disabled(session: Session, name: str, disabled: bool) -> Tenant:
-    """Disable (or re-enable) a tenant: its keys stop (or start again) authenticating."""
+def set_tenant_disabled(
+    session: Session, name: str, disabled: bool, *, version: auth.KeyVersion | None = None
+) -> Tenant:
+    """Disable (or re-enable) a tenant: its keys stop (or start again) authenticating, in every API process
+    sharing ``version`` (default: the settings' Redis) by their next request."""
     tenant = get_tenant(session, name)
     tenant.disabled = disabled
     session.commit()
     auth.key_cache.invalidate(tenant_id=tenant.id)
+    if disabled:  # only valid keys are cached: enabling has nothing to drop
+        auth.announce_key_change(version)
     return tenant
 
 
@@ -109,10 +115,20 @@ def set_tenant_disabled(session: Session, name: str, disabled: bool) -> Tenant:
 
 
 def create_key(
-    session: Session, tenant: str, *, scopes: Iterable[str] = (SCOPE_INFERENCE,), name: str = ""
+    session: Session,
+    tenant: str,
+    *,
+    scopes: Iterable[str] = (SCOPE_INFERENCE,),
+    name: str = "",
+    expires_at: datetime | None = None,
 ) -> tuple[ApiKey, str]:
-    """A new key for the tenant named ``tenant``; returns the stored key and the raw secret key, which is
-    never stored and cannot be recovered: hand it to the user now."""
+    """A new key for the tenant named ``tenant``, valid until ``expires_at`` (default: until revoked); returns
+    the stored key and the raw secret key, which is never stored and cannot be recovered: hand it to the
+    user now."""
+    if expires_at is not None and expires_at.tzinfo is None:
+        raise InvalidConfig(f"expires_at {expires_at.isoformat()} has no time zone; give an aware time (UTC)")
+    if expires_at is not None and expires_at <= utcnow():
+        raise InvalidConfig(f"expires_at {expires_at.isoformat()} is in the past; give a future time")
     scope_list = list(dict.fromkeys(scopes))
     unknown = [s for s in scope_list if s not in SCOPES]
     if unknown or not scope_list:
@@ -131,6 +147,7 @@ def create_key(
         salt=new.salt,
         scopes=",".join(scope_list),
         name=name,
+        expires_at=expires_at,
     )
     session.add(key)
     _commit(session, "key prefix collision; try again")
@@ -152,15 +169,16 @@ def get_key(session: Session, prefix: str) -> ApiKey:
     return key
 
 
-def revoke_key(session: Session, prefix: str) -> ApiKey:
-    """Revoke a key: it stops authenticating at once in this process, within the auth cache TTL elsewhere.
-    Revoking a revoked key changes nothing."""
+def revoke_key(session: Session, prefix: str, *, version: auth.KeyVersion | None = None) -> ApiKey:
+    """Revoke a key: it stops authenticating at once in this process, and by their next request in every API
+    process sharing ``version`` (default: the settings' Redis). Revoking a revoked key changes nothing."""
     key = get_key(session, prefix)
     if key.revoked_at is None:
         key.revoked_at = utcnow()
         session.commit()
     # After the commit: invalidating earlier would let a concurrent verify re-cache the still-valid row.
     auth.key_cache.invalidate(prefix=key.prefix)
+    auth.announce_key_change(version)
     return key
 
 
@@ -378,53 +396,82 @@ def record_request(
     completion_tokens: int = 0,
     error_code: str | None = None,
 ) -> bool:
-    """Insert or update a request's record; True when this call changed it.
-
-    Settling is idempotent: once a record reaches a final status (completed, failed, cancelled) it never
-    changes again, so a request settled twice (a redelivered task, a retried call) is counted once, and
-    a late non-final update (e.g. "running" after "completed") is ignored. Safe under concurrent callers:
-    the insert is ON CONFLICT DO NOTHING and the update is conditional on the stored status.
-    """
-    if status not in REQUEST_STATUSES:
-        raise InvalidConfig(
-            f"invalid request status {status!r}: expected one of {', '.join(REQUEST_STATUSES)}"
-        )
+    """Insert or update one request's record now; True when this call changed it (see ``settle_records``)."""
     now = utcnow()
-    outcome = {
+    record = {
+        "request_id": request_id,
+        "tenant_id": tenant_id,
+        "key_id": key_id,
+        "deployment": deployment,
         "status": status,
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached_tokens,
         "completion_tokens": completion_tokens,
         "error_code": error_code,
+        "created_at": now,
         "finished_at": now if status in FINAL_STATUSES else None,
     }
+    return bool(settle_records(session, [record]))
+
+
+# What settling may change in a stored record; the rest (tenant, key, deployment, start) is fixed at insert.
+_OUTCOME_FIELDS = (
+    "status",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "error_code",
+    "model",
+    "ttft_s",
+    "duration_s",
+    "finished_at",
+)
+
+
+def settle_records(session: Session, records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Insert or update request records (``RequestRecord`` columns, ``request_id`` required) in one
+    transaction, and commit; returns the ids this call changed.
+
+    Idempotent: once a record reaches a final status (completed, failed, cancelled) it never changes again,
+    so a request settled twice (a redelivered task, an outcome drained twice from the stream) is counted
+    once, and a late non-final update (e.g. "running" after "completed") is ignored. One statement per
+    batch, safe under concurrent writers on SQLite and PostgreSQL: INSERT ... ON CONFLICT DO UPDATE only
+    where the stored status is not final. Within ``records`` the first of each request id wins.
+    """
+    first: dict[str, Mapping[str, Any]] = {}
+    for record in records:
+        first.setdefault(record["request_id"], record)
+    unique = list(first.values())
+    for record in unique:
+        if record["status"] not in REQUEST_STATUSES:
+            raise InvalidConfig(
+                f"invalid request status {record['status']!r}: expected one of {', '.join(REQUEST_STATUSES)}"
+            )
+    if not unique:
+        return []
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    # RETURNING, not rowcount: psycopg reports no rowcount for INSERT ... ON CONFLICT DO NOTHING.
-    inserted = session.execute(
-        insert(RequestRecord)
-        .values(
-            request_id=request_id,
-            tenant_id=tenant_id,
-            key_id=key_id,
-            deployment=deployment,
-            created_at=now,
-            **outcome,
+    statement = insert(RequestRecord).values(unique)
+    columns = set().union(*(r.keys() for r in unique))
+    statement = statement.on_conflict_do_update(
+        index_elements=["request_id"],
+        set_={name: statement.excluded[name] for name in _OUTCOME_FIELDS if name in columns},
+        where=RequestRecord.status.not_in(FINAL_STATUSES),
+    ).returning(RequestRecord.request_id)  # RETURNING, not rowcount: psycopg reports none for upserts
+    changed = list(session.scalars(statement))
+    changed_ids = set(changed)
+    last_used: dict[str, datetime] = {}
+    for record in unique:
+        if record["request_id"] in changed_ids and record.get("key_id") is not None:
+            used = record.get("created_at") or utcnow()
+            last_used[record["key_id"]] = max(used, last_used.get(record["key_id"], used))
+    for key_id, used in last_used.items():
+        session.execute(
+            update(ApiKey)
+            .where(ApiKey.id == key_id, or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < used))
+            .values(last_used_at=used)
         )
-        .on_conflict_do_nothing(index_elements=["request_id"])
-        .returning(RequestRecord.request_id)
-    ).scalar_one_or_none()
-    if inserted is not None:
-        if key_id is not None:
-            session.execute(update(ApiKey).where(ApiKey.id == key_id).values(last_used_at=now))
-        session.commit()
-        return True
-    updated = session.execute(
-        update(RequestRecord)
-        .where(RequestRecord.request_id == request_id, RequestRecord.status.not_in(FINAL_STATUSES))
-        .values(**outcome)
-    ).rowcount
     session.commit()
-    return bool(updated)
+    return changed
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -37,10 +37,10 @@ def bearer_token(header: str | None) -> str | None:
 
 def current_caller(request: Request) -> Caller:
     """The caller's tenant and key, or 401. Sync on purpose: FastAPI runs it in a thread, and a cache
-    miss reads the database."""
+    miss reads the database (and every call reads the shared key version from Redis)."""
     raw = bearer_token(request.headers.get("authorization"))
     with request.app.state.sessions() as session:
-        key = verify_key(session, raw)
+        key = verify_key(session, raw, version=request.app.state.key_version)
     if key is None:
         raise APIError(401, UNAUTHORIZED, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     if not key.has_scope(SCOPE_INFERENCE):

@@ -1,14 +1,14 @@
 """OpenAI-compatible inference: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
 
 Per request: auth → model → validate and tokenise → route to a live worker → queue the task on Celery →
-read its token stream → one JSON body or SSE chunks. The request record is written off the hot path.
+read its token stream → one JSON body or SSE chunks. The request's outcome goes to the records stream
+(``tessera.records``), off the hot path.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,18 +18,18 @@ from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import GenerateTask, Sampling
 from gpu_workers.tokenizer import ChatTemplateError
-from tessera import routing, streaming, tenancy
+from tessera import records, routing, streaming
 from tessera.api.catalog import Catalog, Model
 from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from tessera.errors import APIError
+from tessera.models import utcnow
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -48,46 +48,6 @@ class Prepared:
     include_usage: bool
 
 
-class Recorder:
-    """Writes request records on one background thread: never on the request's path, one writer at a time."""
-
-    def __init__(self, sessions: sessionmaker[Session]):
-        self._sessions = sessions
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-records")
-
-    def submit(
-        self, caller: Caller, rid: str, deployment: str, result: streaming.Result, prompt_tokens: int
-    ) -> None:
-        usage = result.usage_or_count(prompt_tokens)
-        if result.error is not None:
-            status, code = "failed", (result.error.error or {}).get("code", "internal_error")
-        elif result.finish_reason in (None, "abort"):
-            status, code = "cancelled", None  # the client left before the end
-        else:
-            status, code = "completed", None
-        record = {
-            "tenant_id": caller.tenant_id,
-            "key_id": caller.key_id,
-            "deployment": deployment,
-            "status": status,
-            "error_code": code,
-            "prompt_tokens": usage.get("prompt_tokens", prompt_tokens),
-            "cached_tokens": usage.get("cached_tokens", 0),
-            "completion_tokens": usage.get("completion_tokens", 0),
-        }
-        self._executor.submit(self._write, rid, record)
-
-    def _write(self, rid: str, record: dict[str, Any]) -> None:
-        try:
-            with self._sessions() as session:
-                tenancy.record_request(session, rid, **record)
-        except Exception:
-            log.exception("could not record request %s", rid)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-
-
 @dataclass
 class Gateway:
     """What the inference routes share; one per app (``app.state.gateway``)."""
@@ -96,7 +56,7 @@ class Gateway:
     catalog: Catalog
     redis: Redis
     celery: Celery
-    recorder: Recorder
+    recorder: records.Recorder
 
     def prepare(self, body: GenerationRequest) -> Prepared:
         """Validate ``body`` against its model and tokenise it. Sync: runs in a thread (tokenising is CPU)."""
@@ -189,6 +149,7 @@ class Gateway:
         """Route and queue the request, then answer with its result or its stream."""
         rid = request_id(request)
         spec = prepared.model.spec
+        started_at = utcnow()
         salt = routing.affinity_salt(self.settings.derive_key("affinity"), caller.tenant_id)
         key = routing.affinity_key(
             salt, request.headers.get(AFFINITY_HEADER), prepared.prompt_ids, spec.page_size
@@ -211,7 +172,7 @@ class Gateway:
             decode_queue=route.decode_queue,
         )
         await self._enqueue(route, task)
-        reader = streaming.StreamReader(
+        reader = records.TimedReader(
             self.redis,
             rid,
             spec.name,
@@ -219,6 +180,7 @@ class Gateway:
             route.workers,
             self.settings.worker_heartbeat_ttl_s,
             client_gone=None if prepared.stream else request.is_disconnected,
+            started_at=started_at,
         )
         prompt_tokens = len(prepared.prompt_ids)
         shape = streaming.OpenAIShape(
@@ -226,7 +188,15 @@ class Gateway:
         )
 
         def settle(result: streaming.Result) -> None:
-            self.recorder.submit(caller, rid, spec.name, result, prompt_tokens)
+            outcome = records.outcome_of(
+                result,
+                reader,
+                tenant_id=caller.tenant_id,
+                key_id=caller.key_id,
+                model=spec.name,
+                prompt_tokens=prompt_tokens,
+            )
+            self.recorder.submit(outcome)
 
         if prepared.stream:
             chunks = streaming.sse(reader, shape, prompt_tokens, prepared.include_usage, settle)
