@@ -1,5 +1,5 @@
-"""The gateway's FastAPI app: ``create_app(settings)`` wires the database, Redis, Celery, the request
-records (outcome stream and its writer) and the routers.
+"""The gateway's FastAPI app: ``create_app(settings)`` wires the database, Redis, Celery, the quotas, the
+request records (outcome stream and its writer) and the routers.
 
 Torch-free by design: from gpu_workers it imports only ``protocol``, ``tokenizer`` and ``checkpoint``.
 """
@@ -14,9 +14,11 @@ from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import connect_redis, make_celery
 from tessera import db
-from tessera.api import errors, health, inference
+from tessera.api import admin, errors, health, inference
 from tessera.api.catalog import Catalog
 from tessera.auth import KeyVersion
+from tessera.quota_config import QuotaLookup
+from tessera.quotas import Quotas
 from tessera.records import Recorder, RecordWriter
 from tessera.settings import Settings, get_settings
 
@@ -42,7 +44,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         maxlen=settings.records_stream_maxlen,
         claim_idle_s=settings.records_claim_idle_s,
     )
-    gateway = inference.Gateway(settings, Catalog(sessions), redis, celery, recorder)
+    quotas = Quotas(redis)
+    gateway = inference.Gateway(
+        settings, Catalog(sessions), redis, celery, recorder, quotas, QuotaLookup(sessions)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,4 +69,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app, settings.max_body_bytes)
     app.include_router(inference.router)
     app.include_router(health.router)
+    app.include_router(admin.router)
     return app

@@ -1,4 +1,5 @@
-"""The control plane's tables: tenants, API keys, deployments (with their audit log) and request records.
+"""The control plane's tables: tenants, API keys (and their quotas), deployments (with their audit log) and
+request records.
 
 The schema is created by Alembic (``migrations/``); tests prove these models and the migrations agree.
 """
@@ -204,3 +205,20 @@ class RequestRecord(Base):
     duration_s: Mapped[float | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)  # when the gateway started the request
     finished_at: Mapped[datetime | None]
+
+
+class QuotaLimits(Base):
+    """A tenant's quota limits, or one key's override of them (``tessera.quota_config``); a null limit is
+    unlimited (for a key: the tenant's applies). Enforced in Redis by ``tessera.quotas``."""
+
+    __tablename__ = "quota_limits"
+
+    scope: Mapped[str] = mapped_column(String(40), primary_key=True)  # "tenant:<id>" or "key:<id>"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    rpm: Mapped[int | None]
+    tpm: Mapped[int | None] = mapped_column(BigInteger)
+    concurrency: Mapped[int | None]
+    daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -7,16 +7,18 @@ Each function is one unit of work: it validates, writes and commits (or rolls ba
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from sqlalchemy import Select, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -51,6 +53,10 @@ class Conflict(TenancyError):
 
 class InvalidConfig(TenancyError):
     pass
+
+
+class InvalidCursor(TenancyError):
+    """A pagination cursor this server did not hand out (HTTP 400)."""
 
 
 TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -472,6 +478,110 @@ def settle_records(session: Session, records: Sequence[Mapping[str, Any]]) -> li
         )
     session.commit()
     return changed
+
+
+# --- cursor pagination -----------------------------------------------------------------------------------
+# Keyset pages: a cursor encodes the sort key of the last row served, so rows inserted or removed meanwhile
+# never shift a page (offsets would repeat or skip them), and each page is one indexed range scan.
+
+T = TypeVar("T")
+MAX_PAGE = 200
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    items: list[T]
+    next_cursor: str | None  # None: this is the last page
+
+
+def tenants_page(session: Session, *, cursor: str | None = None, limit: int = 50) -> Page[Tenant]:
+    return _keyset(session, select(Tenant), (Tenant.created_at, Tenant.id), cursor, limit)
+
+
+def keys_page(session: Session, tenant: str, *, cursor: str | None = None, limit: int = 50) -> Page[ApiKey]:
+    owner = get_tenant(session, tenant)
+    query = select(ApiKey).where(ApiKey.tenant_id == owner.id)
+    return _keyset(session, query, (ApiKey.created_at, ApiKey.id), cursor, limit)
+
+
+def deployments_page(session: Session, *, cursor: str | None = None, limit: int = 50) -> Page[Deployment]:
+    return _keyset(session, select(Deployment), (Deployment.name,), cursor, limit)
+
+
+def audit_page(
+    session: Session, name: str, *, cursor: str | None = None, limit: int = 50
+) -> Page[DeploymentAudit]:
+    """The deployment's changes, newest first (ids grow with every change). The log outlives a removed
+    deployment; a name with neither a deployment nor any change is ``NotFound``."""
+    query = select(DeploymentAudit).where(DeploymentAudit.deployment == name)
+    page = _keyset(session, query, (DeploymentAudit.id,), cursor, limit, descending=True)
+    if not page.items and cursor is None:
+        get_deployment(session, name)
+    return page
+
+
+def _keyset(
+    session: Session,
+    query: Select,
+    order: Sequence[Any],
+    cursor: str | None,
+    limit: int,
+    *,
+    descending: bool = False,
+) -> Page:
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidCursor(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
+    if cursor is not None:
+        query = query.where(_after(order, _decode_cursor(cursor, order), descending))
+    query = query.order_by(*(column.desc() if descending else column for column in order))
+    rows = list(session.scalars(query.limit(limit + 1)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    next_cursor = _encode_cursor([getattr(rows[-1], column.key) for column in order]) if more else None
+    return Page(rows, next_cursor)
+
+
+def _after(order: Sequence[Any], values: list[Any], descending: bool) -> ColumnElement[bool]:
+    """Rows strictly past ``values`` in the sort order: (a, b) > (x, y) spelt out for every database."""
+    column, value = order[0], values[0]
+    past = column < value if descending else column > value
+    if len(order) == 1:
+        return past
+    return or_(past, and_(column == value, _after(order[1:], values[1:], descending)))
+
+
+def _encode_cursor(values: list[Any]) -> str:
+    plain = [v.isoformat() if isinstance(v, datetime) else v for v in values]
+    return base64.urlsafe_b64encode(json.dumps(plain).encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str, order: Sequence[Any]) -> list[Any]:
+    invalid = InvalidCursor(
+        f"invalid cursor {cursor[:40]!r}: pass the next_cursor of the previous page unchanged, "
+        "or omit it for the first page"
+    )
+    try:
+        values = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (binascii.Error, ValueError):
+        raise invalid from None
+    if not isinstance(values, list) or len(values) != len(order):
+        raise invalid
+    decoded = []
+    for column, value in zip(order, values, strict=True):
+        column_type = column.type
+        # UTCDateTime, a TypeDecorator, reports python_type ``object``: ask its implementation.
+        kind = getattr(column_type, "impl_instance", column_type).python_type
+        try:
+            if kind is datetime:
+                value = datetime.fromisoformat(value)
+                if value.tzinfo is None:
+                    raise ValueError("naive")
+            elif not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError("wrong type")
+        except (TypeError, ValueError):
+            raise invalid from None
+        decoded.append(value)
+    return decoded
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""Request and response bodies of the admin API (``/admin``); the deployment config itself is
+``tessera.tenancy.DeploymentConfig``, so the API, the CLI and the database validate one model."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tessera.models import SCOPE_INFERENCE, ApiKey, Deployment, DeploymentAudit, Tenant
+from tessera.quotas import Limits
+from tessera.tenancy import DeploymentConfig, Dtype, KVFormat, Mode, WeightFormat, deployment_config
+
+T = TypeVar("T")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, never silently ignored
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ListResponse(BaseModel, Generic[T]):
+    data: list[T]
+    next_cursor: str | None = Field(
+        description="pass as ?cursor= for the next page; null on the last page", default=None
+    )
+
+
+# --- tenants ---------------------------------------------------------------------------------------------
+
+
+class TenantCreate(_Request):
+    name: str = Field(description="1-64 letters, digits, '.', '_' or '-'", examples=["acme"])
+
+
+class TenantUpdate(_Request):
+    disabled: bool | None = Field(None, description="true suspends the tenant: its keys stop authenticating")
+
+
+class TenantOut(BaseModel):
+    id: str
+    name: str
+    disabled: bool
+    created_at: datetime
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantOut:
+        return cls(id=tenant.id, name=tenant.name, disabled=tenant.disabled, created_at=tenant.created_at)
+
+
+# --- keys ------------------------------------------------------------------------------------------------
+
+
+class KeyCreate(_Request):
+    name: str = Field("", max_length=100)
+    scopes: list[str] = Field(default_factory=lambda: [SCOPE_INFERENCE], examples=[["inference"]])
+    expires_at: datetime | None = Field(None, description="an aware time (UTC); null: valid until revoked")
+
+
+class KeyOut(BaseModel):
+    id: str = Field(description="the key's prefix: the {key_id} of /admin/keys routes")
+    prefix: str = Field(description="how the key begins, e.g. tsk_ab12cd34")
+    tenant: str
+    name: str
+    scopes: list[str]
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    last_used_at: datetime | None
+
+    @classmethod
+    def of(cls, key: ApiKey, tenant: str) -> KeyOut:
+        return cls(
+            id=key.prefix,
+            prefix=f"tsk_{key.prefix}",
+            tenant=tenant,
+            name=key.name,
+            scopes=key.scope_list,
+            created_at=key.created_at,
+            expires_at=key.expires_at,
+            revoked_at=key.revoked_at,
+            last_used_at=key.last_used_at,
+        )
+
+
+class KeyCreated(KeyOut):
+    secret: str = Field(description="the whole key: shown this once, never stored, cannot be recovered")
+
+
+# --- quotas ----------------------------------------------------------------------------------------------
+
+
+class Quotas(_Request):
+    """Each limit unset (null) is unlimited; for a key override, unset means the tenant's limit applies."""
+
+    rpm: int | None = Field(None, ge=0, description="requests per sliding minute")
+    tpm: int | None = Field(
+        None, ge=0, description="tokens per sliding minute (prompt + max_tokens reserved)"
+    )
+    concurrency: int | None = Field(None, ge=0, description="requests in flight")
+    daily_tokens: int | None = Field(None, ge=0, description="tokens per UTC day")
+    monthly_tokens: int | None = Field(None, ge=0, description="tokens per UTC month")
+
+    def limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+    @classmethod
+    def of(cls, limits: Limits) -> Quotas:
+        return cls(**{name: getattr(limits, name) for name in cls.model_fields})
+
+
+class KeyQuota(BaseModel):
+    key: str
+    tenant: str
+    override: Quotas | None = Field(description="the key's own limits; null: the tenant's apply")
+    effective: Quotas = Field(description="the tenant's limits with the override applied")
+
+
+# --- deployments -----------------------------------------------------------------------------------------
+
+
+class DeploymentUpdate(_Request):
+    """The fields to change; every other field keeps its value. The whole resulting config is validated."""
+
+    checkpoint: str | None = None
+    mode: Mode | None = None
+    dtype: Dtype | None = None
+    prefill_kv: KVFormat | None = None
+    decode_kv: KVFormat | None = None
+    prefill_weights: WeightFormat | None = None
+    decode_weights: WeightFormat | None = None
+    page_size: int | None = Field(None, description="tokens per KV page: a power of two, 1-1024")
+    kv_budget_bytes: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = Field(None, description="null: the checkpoint's context length")
+    max_tokens_limit: int | None = None
+    integrity_check: bool | None = None
+    prefix_cache: bool | None = None
+    enabled: bool | None = None
+
+
+class DeploymentOut(DeploymentConfig):
+    model_config = ConfigDict(extra="ignore")
+
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, deployment: Deployment) -> DeploymentOut:
+        config = deployment_config(deployment).model_dump()
+        return cls(**config, created_at=deployment.created_at, updated_at=deployment.updated_at)
+
+
+class AuditEntry(BaseModel):
+    id: int
+    deployment: str
+    actor: str = Field(description="who: 'key:<prefix>' for the admin API, 'cli:<user>' for the CLI")
+    action: str = Field(description="create | update")
+    at: datetime
+    changes: dict[str, list[Any]] = Field(description="{field: [before, after]}; before is null on create")
+
+    @classmethod
+    def of(cls, entry: DeploymentAudit) -> AuditEntry:
+        return cls(
+            id=entry.id,
+            deployment=entry.deployment,
+            actor=entry.actor,
+            action=entry.action,
+            at=entry.created_at,
+            changes=entry.changes,
+        )
+
+
+# --- pools -----------------------------------------------------------------------------------------------
+
+
+class WorkerStatus(BaseModel):
+    worker_id: str
+    host: str
+    pid: int
+    queue: str
+    queue_depth: int = Field(description="tasks waiting in this worker's own (affinity) queue")
+    last_seen: datetime
+    kv_format: str
+    kv_pages_used: int
+    kv_pages_total: int
+    running: int
+    waiting: int
+    integrity_mismatches: int
+
+
+class PoolStatus(BaseModel):
+    deployment: str
+    pool: str = Field(description="serve | prefill | decode")
+    enabled: bool
+    live_workers: int
+    queue: str
+    queue_depth: int = Field(description="tasks waiting in the pool's queue and its live workers' queues")
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_formats: list[str] = Field(
+        description="the KV formats its live workers run (two while a change drains)"
+    )
+    prefix_cache_hit_rate: float | None = Field(
+        description="hit tokens / query tokens; null before any query"
+    )
+    integrity_mismatches: int
+    workers: list[WorkerStatus]
