@@ -253,3 +253,78 @@ def test_importing_the_admin_cli_stays_light():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# --- quotas ------------------------------------------------------------------------------------------------
+
+
+def _quota_rows(result: Result) -> list[dict]:
+    assert result.code == 0, result.err
+    return [json.loads(line) for line in result.out.splitlines()]
+
+
+def test_quotas_set_changes_only_the_named_limits_and_show_lists_key_overrides(migrated, tmp_path):
+    assert migrated("tenants", "create", "acme").code == 0
+    key = migrated("keys", "create", "--tenant", "acme", "--json").json()["prefix"]
+    assert _quota_rows(migrated("quotas", "show", "--tenant", "acme", "--json")) == [
+        {
+            "scope": "tenant",
+            "rpm": None,
+            "tpm": None,
+            "concurrency": None,
+            "daily_tokens": None,
+            "monthly_tokens": None,
+        }
+    ]
+    migrated("quotas", "set", "--tenant", "acme", "--rpm", "60", "--tpm", "10000")
+    rows = _quota_rows(migrated("quotas", "set", "--tenant", "acme", "--concurrency", "4", "--json"))
+    assert rows == [
+        {
+            "scope": "tenant",
+            "rpm": 60,
+            "tpm": 10000,
+            "concurrency": 4,
+            "daily_tokens": None,
+            "monthly_tokens": None,
+        }
+    ]
+    rows = _quota_rows(migrated("quotas", "set", "--tenant", "acme", "--key", key, "--rpm", "5", "--json"))
+    assert rows[1]["scope"] == f"key {key}" and (rows[1]["rpm"], rows[1]["tpm"]) == (5, 10000)
+    rows = _quota_rows(migrated("quotas", "set", "--tenant", "acme", "--rpm", "none", "--json"))
+    assert rows[0]["rpm"] is None and rows[0]["tpm"] == 10000
+    table = migrated("quotas", "show", "--tenant", "acme")
+    assert table.code == 0 and "10000" in table.out and key in table.out
+
+    from tessera import quota_config
+    from tessera.quotas import Limits
+
+    engine = db.make_engine(database_url(tmp_path))
+    with db.session_factory(engine)() as session:
+        assert quota_config.get_limits(session, "acme") == Limits(tpm=10000, concurrency=4)
+        assert quota_config.get_key_limits(session, key) == Limits(rpm=5)
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("quotas", "set", "--tenant", "acme"),  # no limit named
+        ("quotas", "set", "--tenant", "acme", "--rpm", "-1"),
+        ("quotas", "set", "--tenant", "acme", "--tpm", "lots"),
+        ("quotas", "set", "--rpm", "5"),  # no tenant
+    ],
+)
+def test_quotas_set_with_bad_arguments_exits_2(migrated, args):
+    assert migrated("tenants", "create", "acme").code == 0
+    result = migrated(*args)
+    assert result.code == 2 and "Traceback" not in result.err
+
+
+def test_quotas_of_unknown_tenants_and_other_tenants_keys_are_clear_errors(migrated):
+    for name in ("acme", "beta"):
+        assert migrated("tenants", "create", name).code == 0
+    other = migrated("keys", "create", "--tenant", "beta", "--json").json()["prefix"]
+    assert_clean_error(migrated("quotas", "show", "--tenant", "nobody"), "no tenant named 'nobody'")
+    assert_clean_error(
+        migrated("quotas", "set", "--tenant", "acme", "--key", other, "--rpm", "1"), "has no API key"
+    )

@@ -15,18 +15,26 @@ replica agrees on the window. Redis unreachable raises ``QuotaUnavailable``: the
 
 from __future__ import annotations
 
+import asyncio
 import calendar
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 
+import anyio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
 
 WINDOW_MS = 60_000
 LEASE_TTL_MS = 30_000  # a lease not renewed for this long is dropped (its gateway died)
 PREFIX = "tessera:quota"
 LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens")
 _UNLIMITED = -1
+SETTLE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,21 @@ class Decision:
     retry_after_ms: int = 0
     requests: Window | None = None  # the tightest rpm window over the scopes
     tokens: Window | None = None  # the tightest tpm window over the scopes
+    limit_value: int | None = None  # the value of the limit that rejected the request
+
+    def message(self) -> str:
+        """Why the request was rejected and when to retry, for the error body."""
+        what = _DESCRIBE.get(self.limit or "", "{} quota").format(self.limit_value)
+        who = (self.scope or "").split(":", 1)[0] or "tenant"
+        return (
+            f"{what} for this {'API key' if who == 'key' else who} exceeded; "
+            f"it resets in {duration(self.retry_after_ms)}: retry then, or ask for a higher limit"
+        )
+
+    @property
+    def code(self) -> str:
+        """``rate_limit_exceeded`` for the per-minute and concurrency limits, ``quota_exceeded`` for budgets."""
+        return "quota_exceeded" if self.limit in ("daily_tokens", "monthly_tokens") else "rate_limit_exceeded"
 
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers (durations spelled as OpenAI does: ``1s``, ``6m0s``)."""
@@ -95,6 +118,15 @@ class Decision:
         if not self.admitted:
             out["retry-after"] = str(max(1, -(-self.retry_after_ms // 1000)))
         return out
+
+
+_DESCRIBE = {
+    "rpm": "rate limit of {} requests per minute",
+    "tpm": "rate limit of {} tokens per minute (prompt + max_tokens)",
+    "concurrency": "limit of {} requests in flight",
+    "daily_tokens": "daily budget of {} tokens",
+    "monthly_tokens": "monthly budget of {} tokens",
+}
 
 
 class QuotaUnavailable(Exception):
@@ -310,6 +342,9 @@ class Quotas:
             retry_after_ms=retry_ms,
             requests=_tightest(scopes, out[4:], "rpm", 0),
             tokens=_tightest(scopes, out[4:], "tpm", 2),
+            limit_value=getattr(scopes[fail_scope - 1].limits, LIMITS[fail_limit - 1])
+            if fail_scope
+            else None,
         )
         return decision, (Reservation(request_id, tuple(scopes), tokens, now) if admitted else None)
 
@@ -345,6 +380,59 @@ class Quotas:
         t = await self.redis.time()
         now_ms = t[0] * 1000 + t[1] // 1000
         return await self.redis.zcount(scope.key("leases"), now_ms, "+inf")
+
+
+class Held:
+    """An admitted request's reservation while it runs: its leases renewed every third of their TTL, and
+    settled exactly once however the request ends (``settle`` is idempotent and survives cancellation)."""
+
+    def __init__(self, quotas: Quotas, reservation: Reservation):
+        self.quotas = quotas
+        self.reservation = reservation
+        self.used_tokens = 0  # set as the request learns its usage; what ``settle`` charges
+        self.settled = False
+        self._renewer = asyncio.create_task(self._renew()) if reservation.scopes else None
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.quotas.lease_ttl_ms / 3000)
+            try:
+                await self.quotas.renew(self.reservation)
+            except QuotaUnavailable as e:  # the next renewal may get through before the lease expires
+                log.warning("could not renew the lease of request %s: %s", self.reservation.request_id, e)
+
+    async def guard(self, chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
+        """``chunks``, then ``settle``: a streamed request's reservation ends with its stream, however it ends."""
+        try:
+            async with aclosing(chunks):  # closed first, so the stream's own end has set ``used_tokens``
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await self.settle()
+
+    async def close(self, stream: AsyncGenerator[str, None]) -> None:
+        """Close ``guard``'s stream and settle: after the response, for a stream cut off mid-chunk or never
+        started (a client that hung up at once), whose own ``finally`` has not run."""
+        await stream.aclose()
+        await self.settle()
+
+    async def settle(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        if self._renewer is not None:
+            self._renewer.cancel()
+        # Shielded: a client disconnect cancels the caller, and the slot must be released all the same.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S):
+            try:
+                await self.quotas.settle(self.reservation, self.used_tokens)
+            except QuotaUnavailable as e:
+                log.error(
+                    "could not settle request %s (%s): its lease expires by itself within %d ms",
+                    self.reservation.request_id,
+                    e,
+                    self.quotas.lease_ttl_ms,
+                )
 
 
 def _tightest(scopes: list[Scope], state: list[int], limit: str, offset: int) -> Window | None:

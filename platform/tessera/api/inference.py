@@ -19,6 +19,7 @@ from kombu.exceptions import OperationalError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import GenerateTask, Sampling
@@ -30,6 +31,8 @@ from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from tessera.errors import APIError
 from tessera.models import utcnow
+from tessera.quota_config import QuotaLookup
+from tessera.quotas import Held, Quotas, QuotaUnavailable
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class Gateway:
     redis: Redis
     celery: Celery
     recorder: records.Recorder
+    quotas: Quotas
+    quota_lookup: QuotaLookup
 
     def prepare(self, body: GenerationRequest) -> Prepared:
         """Validate ``body`` against its model and tokenise it. Sync: runs in a thread (tokenising is CPU)."""
@@ -146,66 +151,95 @@ class Gateway:
         return list(prompt)
 
     async def serve(self, request: Request, caller: Caller, prepared: Prepared, kind: str) -> Response:
-        """Route and queue the request, then answer with its result or its stream."""
+        """Admit the request against its tenant's (and key's) quotas, route and queue it, then answer with its
+        result or its stream; the quota reservation is settled once, to the tokens used, however it ends."""
         rid = request_id(request)
         spec = prepared.model.spec
         started_at = utcnow()
-        salt = routing.affinity_salt(self.settings.derive_key("affinity"), caller.tenant_id)
-        key = routing.affinity_key(
-            salt, request.headers.get(AFFINITY_HEADER), prepared.prompt_ids, spec.page_size
-        )
-        try:
-            route = await routing.route(self.redis, spec, key, self.settings.worker_heartbeat_ttl_s)
-        except routing.NoLiveWorker as e:
-            raise APIError(503, str(e), "no_live_worker", headers={"Retry-After": "5"}) from None
-        except RedisError as e:
-            log.error("could not read worker heartbeats for request %s: %s", rid, e)
-            raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
-        deadline = time.time() + self.settings.request_timeout_s
-        task = GenerateTask(
-            request_id=rid,
-            deployment=spec.name,
-            tenant=caller.tenant_id,
-            prompt_ids=prepared.prompt_ids,
-            sampling=prepared.sampling,
-            deadline=deadline,
-            decode_queue=route.decode_queue,
-        )
-        await self._enqueue(route, task)
-        reader = records.TimedReader(
-            self.redis,
-            rid,
-            spec.name,
-            deadline + DEADLINE_GRACE_S,
-            route.workers,
-            self.settings.worker_heartbeat_ttl_s,
-            client_gone=None if prepared.stream else request.is_disconnected,
-            started_at=started_at,
-        )
         prompt_tokens = len(prepared.prompt_ids)
-        shape = streaming.OpenAIShape(
-            kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
-        )
-
-        def settle(result: streaming.Result) -> None:
-            outcome = records.outcome_of(
-                result,
-                reader,
-                tenant_id=caller.tenant_id,
-                key_id=caller.key_id,
-                model=spec.name,
-                prompt_tokens=prompt_tokens,
+        scopes = await run_in_threadpool(self.quota_lookup.scopes, caller.tenant_id, caller.key_id)
+        try:
+            decision, reservation = await self.quotas.admit(
+                rid, scopes, prompt_tokens + prepared.sampling.max_tokens
             )
-            self.recorder.submit(outcome)
+        except QuotaUnavailable as e:  # fail closed: never admit a request whose quota cannot be checked
+            log.error("could not check the quotas of request %s: %s", rid, e)
+            raise APIError(
+                503,
+                "the quota store (Redis) is unreachable, so no request can be admitted; retry shortly",
+                "quota_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
+        if reservation is None:
+            raise APIError(429, decision.message(), decision.code, headers=decision.headers())
+        held = Held(self.quotas, reservation)
+        streamed = False  # a stream settles when it ends; everything else settles here
+        try:
+            salt = routing.affinity_salt(self.settings.derive_key("affinity"), caller.tenant_id)
+            key = routing.affinity_key(
+                salt, request.headers.get(AFFINITY_HEADER), prepared.prompt_ids, spec.page_size
+            )
+            try:
+                route = await routing.route(self.redis, spec, key, self.settings.worker_heartbeat_ttl_s)
+            except routing.NoLiveWorker as e:
+                raise APIError(503, str(e), "no_live_worker", headers={"Retry-After": "5"}) from None
+            except RedisError as e:
+                log.error("could not read worker heartbeats for request %s: %s", rid, e)
+                raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
+            deadline = time.time() + self.settings.request_timeout_s
+            task = GenerateTask(
+                request_id=rid,
+                deployment=spec.name,
+                tenant=caller.tenant_id,
+                prompt_ids=prepared.prompt_ids,
+                sampling=prepared.sampling,
+                deadline=deadline,
+                decode_queue=route.decode_queue,
+            )
+            await self._enqueue(route, task)
+            reader = records.TimedReader(
+                self.redis,
+                rid,
+                spec.name,
+                deadline + DEADLINE_GRACE_S,
+                route.workers,
+                self.settings.worker_heartbeat_ttl_s,
+                client_gone=None if prepared.stream else request.is_disconnected,
+                started_at=started_at,
+            )
+            shape = streaming.OpenAIShape(
+                kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
+            )
 
-        if prepared.stream:
-            chunks = streaming.sse(reader, shape, prompt_tokens, prepared.include_usage, settle)
-            return EventSourceResponse(chunks, ping=15)
-        result = await streaming.collect(reader)
-        settle(result)
-        if result.error is not None:
-            raise streaming.event_error(result.error)
-        return JSONResponse(shape.response(result, prompt_tokens))
+            def settle(result: streaming.Result) -> None:
+                if result.usage is not None or result.token_ids:  # else it failed before producing tokens
+                    usage = result.usage_or_count(prompt_tokens)
+                    held.used_tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+                outcome = records.outcome_of(
+                    result,
+                    reader,
+                    tenant_id=caller.tenant_id,
+                    key_id=caller.key_id,
+                    model=spec.name,
+                    prompt_tokens=prompt_tokens,
+                )
+                self.recorder.submit(outcome)
+
+            if prepared.stream:
+                chunks = streaming.sse(reader, shape, prompt_tokens, prepared.include_usage, settle)
+                body = held.guard(chunks)
+                streamed = True
+                return EventSourceResponse(
+                    body, ping=15, headers=decision.headers(), background=BackgroundTask(held.close, body)
+                )
+            result = await streaming.collect(reader)
+            settle(result)
+            if result.error is not None:
+                raise streaming.event_error(result.error)
+            return JSONResponse(shape.response(result, prompt_tokens), headers=decision.headers())
+        finally:
+            if not streamed:
+                await held.settle()
 
     async def _enqueue(self, route: routing.Route, task: GenerateTask) -> None:
         expires = max(1.0, task.deadline - time.time())

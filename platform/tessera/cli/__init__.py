@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tessera.cli import admin, bench, kv, model, quant, serve
+from tessera.cli import admin, bench, kv, model, quant, quotas, serve
 from tessera.cli import eval as eval_
 from tessera.cli.common import run_command
 
@@ -18,6 +18,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera: multi-tenant LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (model, bench, kv, admin, serve, eval_, quant):  # the order `tessera --help` lists them in
+    for group in (
+        model,
+        bench,
+        kv,
+        admin,
+        quotas,
+        serve,
+        eval_,
+        quant,
+    ):  # the order `tessera --help` lists them in
         group.add_commands(commands)
     return parser

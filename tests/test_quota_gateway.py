@@ -1,0 +1,426 @@
+"""Quotas enforced by the gateway, against real Redis, real SQLite and the real app (workers faked as in
+test_gateway.py): exact admission under a race across two API processes, concurrency that never overshoots,
+slots and tokens given back on every ending, rate-limit headers on streams, and 503 when Redis is down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from fastapi.testclient import TestClient
+from tessera import db, quota_config, tenancy
+from tessera.app import create_app
+from tessera.quotas import Limits, Quotas, Scope
+from tessera.settings import Settings
+from test_gateway import FakePools, reply, silent, wait_for
+
+from gpu_workers.protocol import GenerateTask, cancel_key, workers_key
+
+REPO = Path(__file__).resolve().parents[1]
+REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RATE_HEADERS = (
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens",
+    "x-ratelimit-remaining-tokens",
+    "x-ratelimit-reset-tokens",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    sessions: object
+    pools: FakePools
+    model: str
+    base: str  # a real uvicorn server: clients can hang up mid-request
+    app: object
+
+    def tenant(self, **limits: int) -> tuple[str, str, str]:
+        """A new tenant with ``limits`` and one key: (tenant name, tenant id, raw key)."""
+        name = f"q-{uuid.uuid4().hex[:12]}"
+        with self.sessions() as session:
+            tenant = tenancy.create_tenant(session, name)
+            _, raw = tenancy.create_key(session, name)
+            quota_config.set_limits(session, name, Limits(**limits))
+        return name, tenant.id, raw
+
+    def body(self, max_tokens: int = 4, **extra) -> dict:
+        return {"model": self.model, "prompt": [1, 2, 3, 4], "max_tokens": max_tokens, **extra}
+
+    def in_flight(self, tenant_id: str) -> int:
+        quotas = Quotas(redis.asyncio.Redis.from_url(REDIS_URL))
+        return asyncio.run(quotas.in_flight(Scope(quota_config.tenant_scope(tenant_id), Limits())))
+
+    def reserved_tokens(self, tenant_id: str) -> int:
+        scope = Scope(quota_config.tenant_scope(tenant_id), Limits())
+        return int(self.pools.redis.hget(scope.key("tpm:amounts"), "__total") or 0)
+
+    def live(self) -> None:
+        for pool in ("prefill", "decode"):
+            self.pools.heartbeat(self.model, pool, f"{pool}-1")
+
+    @contextlib.contextmanager
+    def heartbeating(self):
+        """Workers that stay live however slowly a loaded machine serves the test's requests."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(0.5):
+                self.live()
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+def auth(raw: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {raw}"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, demo_model_dir):
+    data = tmp_path_factory.mktemp("quota-gateway")
+    settings = Settings(
+        data_dir=data,
+        redis_url=REDIS_URL,
+        secret_key="quota-gateway-test-secret-" * 2,
+        records_stream=f"tessera:test:records:{uuid.uuid4().hex}",
+    )
+    db.upgrade(settings.database_url)
+    sessions = db.session_factory(db.make_engine(settings.database_url))
+    model = f"@test/quota-{uuid.uuid4().hex[:8]}"
+    with sessions() as session:
+        tenancy.create_deployment(
+            session,
+            {"name": model, "checkpoint": str(demo_model_dir), "max_model_len": 128, "max_tokens_limit": 32},
+            actor="test",
+        )
+    client_redis = redis.Redis.from_url(REDIS_URL)
+    pools = FakePools(client_redis, reply())
+    app = create_app(settings)
+    app.state.gateway.celery = pools
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout_s=30)
+    stack = Stack(settings, sessions, pools, model, f"http://127.0.0.1:{port}", app)
+    yield stack
+    server.should_exit = True
+    thread.join(timeout=10)
+    for pool in ("prefill", "decode"):
+        client_redis.delete(workers_key(model, pool))
+    client_redis.delete(settings.records_stream)
+
+
+@pytest.fixture
+def gw(stack, monkeypatch):
+    stack.live()
+    stack.pools.script = reply()
+    monkeypatch.setattr(stack.settings, "request_timeout_s", 300.0)
+    return stack
+
+
+async def _post_many(
+    base: str, raw: str, bodies: list[dict], path: str = "/v1/completions"
+) -> list[httpx.Response]:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=30, limits=httpx.Limits(max_connections=500)
+    ) as client:
+        return await asyncio.gather(*(client.post(path, headers=auth(raw), json=b) for b in bodies))
+
+
+# -- admission --------------------------------------------------------------------------------------------------
+
+
+def test_admitted_responses_carry_rate_limit_headers_and_settle_to_the_tokens_used(gw):
+    _, tenant_id, raw = gw.tenant(rpm=10, tpm=1000)
+    response = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body(max_tokens=20))
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ratelimit-limit-requests"] == "10"
+    assert response.headers["x-ratelimit-remaining-requests"] == "9"
+    assert response.headers["x-ratelimit-remaining-tokens"] == str(1000 - (4 + 20))  # reserved up front
+    assert response.headers["x-ratelimit-reset-requests"].endswith("s")
+    # Settled to what the worker reported: 4 prompt + 3 completion tokens, not prompt + max_tokens.
+    assert wait_for(lambda: gw.reserved_tokens(tenant_id) == 7)
+    assert gw.in_flight(tenant_id) == 0
+
+
+def test_a_streaming_200_carries_the_rate_limit_headers(gw):
+    _, tenant_id, raw = gw.tenant(rpm=10, tpm=1000)
+    body = gw.body(stream=True)
+    with httpx.stream("POST", f"{gw.base}/v1/completions", headers=auth(raw), json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert all(h in response.headers for h in RATE_HEADERS), dict(response.headers)
+        assert response.headers["x-ratelimit-remaining-requests"] == "9"
+        assert "data: [DONE]" in response.read().decode()
+    assert wait_for(lambda: gw.in_flight(tenant_id) == 0 and gw.reserved_tokens(tenant_id) == 7)
+
+
+def test_over_the_limit_is_429_with_headers_naming_the_limit_and_its_reset(gw):
+    _, _, raw = gw.tenant(rpm=2)
+    for _ in range(2):
+        assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
+    response = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body())
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
+    assert "2 requests per minute" in error["message"] and "resets in" in error["message"]
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_an_exhausted_daily_budget_is_429_quota_exceeded(gw):
+    _, _, raw = gw.tenant(daily_tokens=30)
+    assert (
+        httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body(max_tokens=20)).status_code
+        == 200
+    )
+    response = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body(max_tokens=20))
+    assert response.status_code == 429 and response.json()["error"]["code"] == "quota_exceeded"
+    assert "daily budget of 30 tokens" in response.json()["error"]["message"]
+
+
+def test_rejected_requests_consume_no_requests_of_the_rpm_limit(gw):
+    _, tenant_id, raw = gw.tenant(rpm=5, tpm=100)
+    # Too many tokens for tpm: rejected by tpm, so each must leave the rpm window untouched.
+    rejected = asyncio.run(
+        _post_many(gw.base, raw, [gw.body(max_tokens=32) | {"prompt": list(range(1, 80))}] * 10)
+    )
+    assert [r.status_code for r in rejected] == [429] * 10
+    assert {r.json()["error"]["code"] for r in rejected} == {"rate_limit_exceeded"}
+    # Rejected by rpm itself: the window holds exactly the admitted ones.
+    admitted = asyncio.run(_post_many(gw.base, raw, [gw.body()] * 5))
+    assert [r.status_code for r in admitted] == [200] * 5
+    over = asyncio.run(_post_many(gw.base, raw, [gw.body()] * 10))
+    assert [r.status_code for r in over] == [429] * 10
+    rpm_log = Scope(quota_config.tenant_scope(tenant_id), Limits()).key("rpm")
+    assert gw.pools.redis.zcard(rpm_log) == 5
+
+
+def test_a_key_override_limits_that_key_alone(gw):
+    name, _, raw = gw.tenant(rpm=100)
+    with gw.sessions() as session:
+        limited, limited_raw = tenancy.create_key(session, name)
+        quota_config.set_limits(session, name, Limits(rpm=2), key_prefix=limited.prefix)
+    codes = [
+        httpx.post(f"{gw.base}/v1/completions", headers=auth(limited_raw), json=gw.body()).status_code
+        for _ in range(3)
+    ]
+    assert codes == [200, 200, 429]
+    assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
+
+
+def test_concurrency_4_never_has_5_in_flight_on_the_workers(gw):
+    _, tenant_id, raw = gw.tenant(concurrency=4)
+    lock = threading.Lock()
+    running = {"now": 0, "max": 0}
+
+    def slow(pools: FakePools, task: GenerateTask) -> None:
+        with lock:
+            running["now"] += 1
+            running["max"] = max(running["max"], running["now"])
+        time.sleep(0.3)
+        with lock:  # before the final event: the gateway releases the slot only after it
+            running["now"] -= 1
+        reply()(pools, task)
+
+    gw.pools.script = slow
+    with gw.heartbeating():
+        responses = asyncio.run(_post_many(gw.base, raw, [gw.body()] * 24))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 4
+    assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} <= {"rate_limit_exceeded"}
+    assert 1 <= running["max"] <= 4
+    assert wait_for(lambda: gw.in_flight(tenant_id) == 0)
+
+
+# -- every ending gives the slot back ----------------------------------------------------------------------------
+
+
+async def _hang_up_after_first_chunk(base: str, raw: str, body: dict) -> int:
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as client,
+        client.stream("POST", "/v1/completions", headers=auth(raw), json=body) as response,
+    ):
+        async for _ in response.aiter_lines():
+            break
+        return response.status_code
+
+
+async def _give_up_waiting(base: str, raw: str, body: dict) -> str:
+    async with httpx.AsyncClient(base_url=base, timeout=0.5) as client:
+        try:
+            await client.post("/v1/completions", headers=auth(raw), json=body)
+        except httpx.ReadTimeout:
+            return "gave up"
+        return "answered"
+
+
+def test_after_cancelled_and_timed_out_requests_nothing_is_in_flight(gw, monkeypatch):
+    n = 20
+    _, tenant_id, raw = gw.tenant(concurrency=3 * n, tpm=100_000)
+    monkeypatch.setattr(gw.settings, "request_timeout_s", 0.5)
+    gw.pools.script = silent  # the worker never answers: the deadline, or the client, ends each request
+
+    async def campaign():
+        async with httpx.AsyncClient(
+            base_url=gw.base, timeout=30, limits=httpx.Limits(max_connections=500)
+        ) as c:
+            timed_out = [c.post("/v1/completions", headers=auth(raw), json=gw.body()) for _ in range(n)]
+            return await asyncio.gather(
+                asyncio.gather(*timed_out),
+                asyncio.gather(
+                    *(_hang_up_after_first_chunk(gw.base, raw, gw.body(stream=True)) for _ in range(n))
+                ),
+                asyncio.gather(*(_give_up_waiting(gw.base, raw, gw.body()) for _ in range(n))),
+            )
+
+    assert httpx.get(f"{gw.base}/v1/models", headers=auth(raw)).status_code == 200  # the key is cached
+    with gw.heartbeating():
+        timed_out, streams, gave_up = asyncio.run(campaign())
+    assert [r.status_code for r in timed_out] == [504] * n, timed_out[0].text
+    assert streams == [200] * n and gave_up == ["gave up"] * n
+    # Settled, not expired: the leases would take 30 s to lapse on their own.
+    assert wait_for(lambda: gw.in_flight(tenant_id) == 0, timeout_s=5)
+    assert wait_for(lambda: gw.reserved_tokens(tenant_id) == 0, timeout_s=5)  # no token was produced
+    for rid in [s.task.request_id for s in gw.pools.sent[-n:]]:
+        assert gw.pools.redis.exists(cancel_key(rid))
+
+
+def test_a_failed_enqueue_gives_the_slot_back(gw, monkeypatch):
+    _, tenant_id, raw = gw.tenant(concurrency=1)
+    for pool in ("prefill", "decode"):
+        gw.pools.redis.delete(workers_key(gw.model, pool))
+    for _ in range(3):  # no live worker: 503 each time, never 429 for a leaked slot
+        response = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body())
+        assert response.status_code == 503 and response.json()["error"]["code"] == "no_live_worker"
+    assert gw.in_flight(tenant_id) == 0
+
+
+# -- fail closed --------------------------------------------------------------------------------------------------
+
+
+def test_unreachable_redis_is_503_never_unlimited(stack):
+    _, _, raw = stack.tenant(rpm=1000)
+    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    settings = stack.settings.model_copy(update={"redis_url": dead})
+    with TestClient(create_app(settings)) as client:
+        response = client.post("/v1/completions", headers=auth(raw), json=stack.body())
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "quota_unavailable" and "unreachable" in error["message"]
+    assert response.headers["retry-after"]
+
+
+# -- two API processes sharing Redis ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicas(stack):
+    """Two `tessera api` processes sharing the stack's Redis and database (no live workers needed: an
+    admitted request that finds none is a 503, which still proves it was admitted)."""
+    env = {
+        **os.environ,
+        "TESSERA_DATA_DIR": str(stack.settings.data_dir),
+        "TESSERA_DATABASE_URL": stack.settings.database_url,
+        "TESSERA_REDIS_URL": REDIS_URL,
+        "TESSERA_SECRET_KEY": stack.settings.secret_key.get_secret_value(),
+        "TESSERA_RECORDS_STREAM": stack.settings.records_stream,
+    }
+    procs, urls = [], []
+    logs = [stack.settings.data_dir / f"api-{i}.log" for i in range(2)]
+    for log in logs:
+        port = _free_port()
+        with log.open("wb") as out:
+            cmd = [sys.executable, "-m", "tessera.cli", "api", "--port", str(port)]
+            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for url, proc, log in zip(urls, procs, logs, strict=True):
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, f"the API process exited: {log.read_text()}"
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"the API did not start: {log.read_text()}"
+                time.sleep(0.1)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+
+
+@pytest.mark.slow
+def test_200_concurrent_requests_across_two_api_processes_admit_exactly_the_rpm(stack, replicas):
+    for pool in ("prefill", "decode"):
+        stack.pools.redis.delete(workers_key(stack.model, pool))
+    _, tenant_id, raw = stack.tenant(rpm=50)
+
+    async def race():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=400)) as client:
+            # Warm both processes (key cache, tokenizer) first so the race is about admission alone.
+            await asyncio.gather(*(client.get(f"{url}/v1/models", headers=auth(raw)) for url in replicas))
+            return await asyncio.gather(
+                *(
+                    client.post(f"{replicas[i % 2]}/v1/completions", headers=auth(raw), json=stack.body())
+                    for i in range(200)
+                )
+            )
+
+    responses = asyncio.run(race())
+    admitted = [r for r in responses if r.status_code != 429]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert {r.status_code for r in admitted} == {503}  # admitted, then found no live worker
+    assert len(admitted) == 50 and len(rejected) == 150
+    for r in rejected:
+        assert r.headers["x-ratelimit-limit-requests"] == "50"
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(r.headers["retry-after"]) >= 1
+        assert json.loads(r.text)["error"]["code"] == "rate_limit_exceeded"
+    # Both processes did admit some: the limit held across replicas, not per process.
+    assert {r.request.url.port for r in admitted} == {int(u.rsplit(":", 1)[1]) for u in replicas}
+    assert stack.in_flight(tenant_id) == 0
+
+
+def test_a_changed_limit_applies_within_the_lookup_ttl_without_a_restart(gw):
+    name, _, raw = gw.tenant(rpm=100)
+    assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
+    with gw.sessions() as session:
+        quota_config.set_limits(session, name, Limits(rpm=1))
+    wait_for(  # every process re-reads the limits once its cached copy is CACHE_TTL_S old
+        lambda: httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 429,
+        timeout_s=quota_config.CACHE_TTL_S + 4,
+    )
