@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tessera.launcher import GaveUp, Supervisor
+from tessera.supervisor import GaveUp, Supervisor
 
 PY = sys.executable
 

@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from tessera.launcher import DataDirLock, check_port_free, run_up, try_command
+from tessera.launcher import run_up, try_command
 from tessera.settings import Settings
+from tessera.supervisor import DataDirLock, check_port_free
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HOLD_LOCK = (
-    "import sys, time; from pathlib import Path; from tessera.launcher import DataDirLock;"
+    "import sys, time; from pathlib import Path; from tessera.supervisor import DataDirLock;"
     "lock = DataDirLock(Path(sys.argv[1])); lock.acquire(); print('locked', flush=True); time.sleep(120)"
 )
 
