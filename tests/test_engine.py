@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers.engine.failures import MAX_CONSECUTIVE_FAILED_STEPS
+from gpu_workers.kv.transfer import KVBlock
+from tests.model_faults import DEVICE_ERROR, FaultyModel, device_error, wait_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -254,3 +259,171 @@ def test_stop_strings_truncate_text_and_stream_matches(demo_model_dir):
     )
     assert streamed == stopped.text
     assert "\ufffd" not in streamed
+
+
+# -- failures: a failed step ends only its requests; an engine that cannot go on says so --------------------
+
+
+def run_in_background(engine: Engine, requests: list[tuple[str, object, dict]], timeout_s: float = 60.0):
+    """Serve ``(request_id, prompt, add_request kwargs)`` on the engine's own loop; returns each request's
+    events. Fails (instead of hanging) if they do not all finish."""
+    events: dict[str, list] = {rid: [] for rid, _, _ in requests}
+    done = threading.Semaphore(0)
+
+    def record(event):
+        events[event.request_id].append(event)
+        if event.finish_reason is not None:
+            done.release()
+
+    engine.start()
+    try:
+        for rid, prompt, kwargs in requests:
+            engine.add_request(
+                prompt, kwargs.pop("params", GREEDY), request_id=rid, on_event=record, **kwargs
+            )
+        for _ in requests:
+            assert done.acquire(timeout=timeout_s), f"not every request finished: {events}"
+    finally:
+        engine.stop()
+    return events
+
+
+def tokens(events) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def test_a_kv_block_the_engine_cannot_import_fails_only_its_request(tiny_llama_dir, alone_outputs):
+    prompts = mixed_prompts(16)
+    prefill = make_engine(tiny_llama_dir)
+    exported = []
+    prefill.add_request(
+        prompts[5], SamplingParams(max_tokens=1), export_kv="fp8_e4m3", on_event=exported.append
+    )
+    while prefill.has_unfinished():
+        prefill.step()
+    block = exported[-1].kv
+    no_scales = KVBlock("fp8_e4m3", block.num_tokens, block.k, block.v)  # FP8 bits, but no scales
+    engine = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3")
+    requests = [(f"r{i}", prompts[i], {}) for i in range(3)]
+    requests.append(("broken", prompts[5] + exported[-1].token_ids, {"kv_import": no_scales}))
+    requests += [(f"r{i}", prompts[i], {}) for i in range(3, 6)]
+    events = run_in_background(engine, requests)
+    broken = events.pop("broken")[-1]
+    assert broken.finish_reason == "error" and broken.error.code == "invalid_kv_import"
+    assert "k_scale" in broken.error.message
+    fp8_alone = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3")
+    for rid, evs in events.items():
+        assert evs[-1].finish_reason == "length"
+        assert tokens(evs) == fp8_alone.generate([prompts[int(rid[1:])]], GREEDY)[0].token_ids
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+class FailingTokenizer:
+    """The engine's tokenizer, except that decoding one token id raises, as a broken vocabulary entry would."""
+
+    def __init__(self, tokenizer, poison: int):
+        self.tokenizer = tokenizer
+        self.poison = poison
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids, skip_special_tokens=True):
+        if self.poison in ids:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, f"token {self.poison} maps to invalid bytes")
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_an_exception_anywhere_in_a_step_fails_only_the_requests_in_it(demo_model_dir, caplog):
+    healthy = Engine.from_pretrained(
+        demo_model_dir, EngineConfig(dtype="float32", page_size=4, max_num_seqs=2)
+    )
+    texts = {"a": "def main():", "b": "x = 1", "c": "return None", "d": "import os"}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = {k: healthy.generate(t, params)[0] for k, t in texts.items()}
+    poison = alone["a"].token_ids[2]  # "a" streams two tokens, then its third fails the step
+    for k in "bcd":
+        assert poison not in alone[k].token_ids + healthy.tokenizer.encode(texts[k])
+    engine = Engine(healthy.model, FailingTokenizer(healthy.tokenizer, poison), healthy.config)
+    # Two slots: "a" and "b" share steps; "c" waits for a slot, so it is in no step that fails.
+    requests = [(k, texts[k], {"params": params}) for k in "abc"]
+    events = run_in_background(engine, requests)
+    for k in "ab":
+        final = events[k][-1]
+        assert final.finish_reason == "error" and final.error.code == "internal_error"
+        assert (
+            "UnicodeDecodeError" in final.error.message and "other requests continue" in final.error.message
+        )
+    assert tokens(events["a"]) == alone["a"].token_ids[:2]
+    assert tokens(events["c"]) == alone["c"].token_ids and events["c"][-1].finish_reason == "length"
+    assert any(r.exc_info and r.exc_info[0] is UnicodeDecodeError for r in caplog.records)  # the traceback
+    assert engine.failed is None and engine.stats()["kv_pages_used"] == 0
+    assert engine.generate(texts["d"], params)[0].token_ids == alone["d"].token_ids  # it goes on serving
+
+
+def faulty_engine(tiny_llama_dir, trigger: int, fault, **flags) -> Engine:
+    healthy = make_engine(tiny_llama_dir)
+    return Engine(FaultyModel(healthy.model, trigger, fault, **flags), None, healthy.config)
+
+
+def test_a_device_error_stops_the_engine_and_ends_every_request(tiny_llama_dir):
+    prompts = mixed_prompts(16)
+    trigger = 121  # mixed_prompts draws ids below 120: only the request that carries it trips the fault
+    engine = faulty_engine(tiny_llama_dir, trigger, device_error, sticky=True)
+    failures = []
+    engine.add_request(prompts[0], SamplingParams(max_tokens=200, ignore_eos=True), request_id="running")
+    engine.step()
+    engine.start(on_failure=failures.append)
+    events = []
+    try:
+        engine.add_request(prompts[1] + [trigger], GREEDY, request_id="trigger", on_event=events.append)
+        # Not yet admitted when the engine fails (one slot): it never ran, and still ends.
+        engine.add_request(prompts[2], GREEDY, request_id="queued", on_event=events.append)
+        end = time.monotonic() + 30
+        while engine.failed is None or engine.has_unfinished():
+            assert time.monotonic() < end, "the engine neither failed nor finished"
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert str(engine.failed) == DEVICE_ERROR and failures == [engine.failed]
+    final = {e.request_id: e for e in events if e.finish_reason}
+    assert set(final) == {"trigger", "queued"}
+    assert all(
+        e.error.code == "engine_failed" and "illegal memory access" in e.error.message for e in final.values()
+    )
+    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["failed"]
+    late = engine.generate([prompts[3]], GREEDY)[0]
+    assert late.finish_reason == "error" and late.error.code == "engine_failed"
+
+
+def test_steps_that_keep_failing_stop_the_engine(tiny_llama_dir):
+    prompts = mixed_prompts(16)
+    trigger = 121
+
+    def broken():
+        raise ValueError("layer 0 returned a tensor of the wrong shape")
+
+    engine = faulty_engine(tiny_llama_dir, trigger, broken, sticky=True)  # every step fails from now on
+    first = engine.generate([prompts[0] + [trigger]], GREEDY)[0]
+    assert first.error.code == "internal_error" and engine.failed is None  # one failed step: it goes on
+    later = [engine.generate([p], GREEDY)[0] for p in prompts[1:3]]
+    assert [o.error.code for o in later] == ["internal_error", "engine_failed"]
+    assert isinstance(engine.failed, ValueError)
+    assert engine.stats()["failed_steps"] == MAX_CONSECUTIVE_FAILED_STEPS
+
+
+def test_stats_never_wait_for_a_running_step(tiny_llama_dir):
+    trigger, release = 121, threading.Event()
+    engine = faulty_engine(tiny_llama_dir, trigger, wait_for(release), once=True)
+    engine.start()
+    try:
+        engine.add_request(mixed_prompts(1)[0] + [trigger], GREEDY, request_id="slow")
+        assert engine.model.tripped.wait(30)  # the step is inside the model's forward, holding the lock
+        read = threading.Thread(target=lambda: reads.append(engine.stats()))
+        reads: list[dict] = []
+        read.start()
+        read.join(timeout=10)  # a bound for a broken build, which would block here until the release
+        assert reads and reads[0]["running"] == 1
+    finally:
+        release.set()
+        engine.stop()

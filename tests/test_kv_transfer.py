@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.kv.transfer import KVBlock, export_kv
+from gpu_workers.kv import KVCache
+from gpu_workers.kv.transfer import KVBlock
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -23,17 +25,23 @@ def prompt(seed=0, n=23):
     return [rng.randrange(2, 120) for _ in range(n)]
 
 
-def handoff(prefill: Engine, decode: Engine, p, kv_format: str):
-    first = prefill.generate([p], SamplingParams(temperature=0, max_tokens=1), tenant=None)
-    # generate() has no export flag: go through add_request to ask for the KV.
+def export(prefill: Engine, p, kv_format: str, first: SamplingParams | None = None):
+    """Prefill ``p`` for one token and export its KV; returns the final event (token ids, ``kv``)."""
     events = []
     prefill.add_request(
-        p, SamplingParams(temperature=0, max_tokens=1), export_kv=kv_format, on_event=events.append
+        p, first or SamplingParams(temperature=0, max_tokens=1), export_kv=kv_format, on_event=events.append
     )
     while prefill.has_unfinished():
         prefill.step()
-    final = events[-1]
-    assert final.finish_reason == "length" and final.token_ids == first[0].token_ids
+    assert events[-1].finish_reason == "length", events[-1].error
+    return events[-1]
+
+
+def handoff(prefill: Engine, decode: Engine, p, kv_format: str):
+    first = prefill.generate([p], SamplingParams(temperature=0, max_tokens=1), tenant=None)
+    # generate() has no export flag: go through add_request to ask for the KV.
+    final = export(prefill, p, kv_format)
+    assert final.token_ids == first[0].token_ids
     block = final.kv
     rest = SamplingParams(temperature=0.0, max_tokens=PARAMS.max_tokens - 1, ignore_eos=True)
     out = []
@@ -41,6 +49,28 @@ def handoff(prefill: Engine, decode: Engine, p, kv_format: str):
     while decode.has_unfinished():
         decode.step()
     return block, final.token_ids + out
+
+
+def stored(engine: Engine, pages: list[int], num_tokens: int):
+    """What the cache holds for tokens [0, num_tokens) in ``pages``: K and V as stored (FP8 bits) and the
+    per-page K and V scales (None when unquantised)."""
+    cache, size = engine.cache, engine.cache.page_size
+    slots = [pages[t // size] * size + t % size for t in range(num_tokens)]
+    layers, _, _, heads, dim = cache.k.shape
+    k = cache.k.reshape(layers, -1, heads, dim)[:, slots]
+    v = cache.v.reshape(layers, -1, heads, dim)[:, slots]
+    if cache.k_scale is None:
+        return k, v, None, None
+    used = pages[: -(-num_tokens // size)]
+    return k, v, cache.k_scale[:, used], cache.v_scale[:, used]
+
+
+def imported(decode: Engine, p, block, request_id="again") -> tuple[list[int], list[int]]:
+    """Start a request from ``block`` and return its pages and their expected generations."""
+    decode.add_request(p + [5], SamplingParams(max_tokens=4), request_id=request_id, kv_import=block)
+    decode.step()  # admits the request and copies the block into its pages
+    table = decode._requests[request_id].table
+    return list(table.pages), list(table.generations)
 
 
 def test_lossless_handoff_continues_exactly_like_one_engine(tiny_llama_dir):
@@ -68,20 +98,61 @@ def test_fp8_handoff_halves_the_bytes_and_keeps_the_values(tiny_llama_dir):
     big = k16.abs() > 1e-2
     assert ((k8 - k16).abs()[big] / k16.abs()[big]).max() < 0.07
     assert len(tokens) == PARAMS.max_tokens
-    # The imported pages hold the block: exporting them again gives the same values.
+    # The imported pages hold the block: reading them back gives its bits and its per-page scales.
+    pages, _ = imported(decode, p, fp8_block)
+    k, v, k_scale, v_scale = stored(decode, pages, fp8_block.num_tokens)
+    assert torch.equal(k, fp8_block.k) and torch.equal(v, fp8_block.v)
+    assert torch.equal(k_scale, fp8_block.k_scale) and torch.equal(v_scale, fp8_block.v_scale)
+    decode.abort("again")
     assert decode.stats()["integrity_mismatches"] == 0
+
+
+def test_fp8_pages_cross_the_handoff_bit_for_bit(tiny_llama_dir):
+    """FP8 prefill -> FP8 decode: every page arrives with the bits and the scale it had, never requantised."""
+    p = prompt(seed=5, n=31)
+    # A 6-token step budget prefills in chunks, so pages opened by later chunks can get larger scales.
+    prefill = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=6)
+    decode = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3")
+    events = []
+    prefill.add_request(
+        p,
+        SamplingParams(temperature=0, max_tokens=1),
+        request_id="source",
+        export_kv="fp8_e4m3",
+        on_event=events.append,
+    )
+    prefill.step()
+    source_pages = list(prefill._requests["source"].table.pages)
+    while prefill.has_unfinished():
+        prefill.step()
+    sent = stored(prefill, source_pages, len(p))
+    pages, _ = imported(decode, p, events[-1].kv)
+    received = stored(decode, pages, len(p))
+    for name, before, after in zip(("k", "v", "k_scale", "v_scale"), sent, received, strict=True):
+        assert torch.equal(before, after), name
+    decode.abort("again")
 
 
 def test_imported_pages_get_fresh_integrity_tags(tiny_llama_dir):
     p = prompt(seed=2)
-    decode = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3")
-    block, _ = handoff(make_engine(tiny_llama_dir), decode, p, "fp8_e4m3")
-    decode.add_request(p + [5], SamplingParams(max_tokens=4), request_id="again", kv_import=block)
+    probe = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3")
+    page_bytes = KVCache.page_bytes(probe.cache.spec, 4, probe.cache.dtype)
+    # 7 pages: room for one request at a time, so the import must reuse the previous request's pages.
+    decode = make_engine(tiny_llama_dir, kv_cache_dtype="fp8_e4m3", kv_budget_bytes=7 * page_bytes)
+    block = export(make_engine(tiny_llama_dir), p, "fp8_e4m3").kv
+    decode.add_request(p, SamplingParams(max_tokens=4), request_id="before")
     decode.step()
-    seq = decode._requests["again"]
-    assert all(g >= 1 for g in seq.table.generations)
-    again = export_kv(decode.cache, seq.table.pages, block.num_tokens, "fp8_e4m3")
-    assert torch.equal(again.dequantized()[0], block.dequantized()[0])
+    table = decode._requests["before"].table
+    previous = dict(zip(table.pages, table.generations, strict=True))
+    decode.abort("before")
+
+    pages, generations = imported(decode, p, block)
+    reused = {page: gen for page, gen in zip(pages, generations, strict=True) if page in previous}
+    assert len(reused) >= len(pages) - 1  # 7 pages, 6 taken: at most one was never the previous owner's
+    assert all(gen != previous[page] for page, gen in reused.items())
+    # The previous owner's view of those pages is stale: the check stops a reader that kept it.
+    stale = decode.pages.integrity.verify([list(previous)], [list(previous.values())])
+    assert {m.page for m in stale} == set(reused)
     decode.abort("again")
 
 
@@ -111,13 +182,37 @@ def test_seeded_sampling_continues_across_the_handoff(tiny_llama_dir):
     sampled = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
     colocated = make_engine(tiny_llama_dir).generate([p], sampled)[0].token_ids
     prefill, decode = make_engine(tiny_llama_dir), make_engine(tiny_llama_dir)
-    events = []
-    first = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=1)
-    prefill.add_request(p, first, export_kv="fp32", on_event=events.append)
+    first = export(prefill, p, "fp32", SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=1))
+    rest = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=9, ignore_eos=True)
+    out = []
+    decode.add_request(p + first.token_ids, rest, kv_import=first.kv, on_event=out.append)
+    while decode.has_unfinished():
+        decode.step()
+    assert out[-1].finish_reason == "length"
+    assert out[-1].cached_tokens == len(p)  # the prompt's KV came through the hand-off, not recomputed
+    assert first.token_ids + [t for e in out for t in e.token_ids] == colocated
+
+
+def test_exported_kv_is_converted_and_delivered_with_the_engine_lock_free(tiny_llama_dir):
+    """The hand-off's costly part never holds up the engine: when the final event (with its converted
+    block) arrives, another thread can take the engine lock."""
+    prefill = make_engine(tiny_llama_dir)
+    lock_free_at_delivery = []
+
+    def on_event(event):
+        if event.finish_reason is not None:
+            other = threading.Thread(target=lambda: lock_free_at_delivery.append(try_lock(prefill)))
+            other.start()
+            other.join()
+
+    prefill.add_request(prompt(), SamplingParams(max_tokens=1), export_kv="fp8_e4m3", on_event=on_event)
     while prefill.has_unfinished():
         prefill.step()
-    rest = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=9, ignore_eos=True)
-    out = decode.generate(
-        [p + events[-1].token_ids], rest
-    )  # recomputed here; the seed stream is what matters
-    assert events[-1].token_ids + out[0].token_ids == colocated
+    assert lock_free_at_delivery == [True]
+
+
+def try_lock(engine: Engine) -> bool:
+    if not engine._lock.acquire(blocking=False):
+        return False
+    engine._lock.release()
+    return True

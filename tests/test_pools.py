@@ -16,18 +16,21 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
 
 from gpu_workers import Engine, SamplingParams
+from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.pools.heartbeat import Heartbeat
 from gpu_workers.pools.inflight import inflight_key
+from gpu_workers.pools.messages import updated
 from gpu_workers.pools.stream import RequestStream, lease_key
 from gpu_workers.pools.tasks import TaskRunner
-from gpu_workers.pools.worker import SECRET_ENV, engine_config
+from gpu_workers.pools.worker import EXIT_ENGINE_FAILED, SECRET_ENV, engine_config
 from gpu_workers.protocol import (
+    HEARTBEAT_TTL_S,
     STREAM_FIELD,
     TASK_DECODE,
     TASK_PREFILL,
@@ -50,6 +53,10 @@ REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 SECRET = b"test-secret"
 PROMPT = [5, 17, 99, 3, 250, 31, 8, 64, 12, 7, 300, 41, 9, 77, 2000, 15, 16, 23]
 LONG = 1500  # tokens: a request that is still running when the test acts on it
+REPO = Path(__file__).resolve().parents[1]
+# Two ids in a row: only a prompt holds them, never a decode step (one id per request), so a faulty
+# worker's model (tests/faulty_worker.py) misbehaves exactly when the test sends a prompt ending in them.
+TRIGGER = [1999, 1999]
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +87,19 @@ def spec_for(namespace: str, checkpoint: Path, name: str, **overrides) -> Deploy
     return DeploymentSpec(name=f"{namespace}-{name}", checkpoint=str(checkpoint), **(fields | overrides))
 
 
-def make_task(spec: DeploymentSpec, max_tokens: int = 12, deadline_s: float = 60.0, **kw) -> GenerateTask:
-    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def make_task(
+    spec: DeploymentSpec, max_tokens: int = 12, deadline_s: float = 60.0, prompt=PROMPT, stop=(), **kw
+) -> GenerateTask:
+    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=list(stop))
     request_id = f"{spec.name}-{uuid.uuid4().hex}"  # carries the namespace, so cleanup finds its keys
     return GenerateTask(
-        request_id, spec.name, "tenant-a", list(PROMPT), sampling, time.time() + deadline_s, **kw
+        request_id=request_id,
+        deployment=spec.name,
+        tenant="tenant-a",
+        prompt_ids=list(prompt),
+        sampling=sampling,
+        deadline=time.time() + deadline_s,
+        **kw,
     )
 
 
@@ -112,10 +127,19 @@ def tokens_of(events: list[Event]) -> list[int]:
     return [t for e in events if e.kind == "token" for t in e.token_ids]
 
 
-def offline(spec: DeploymentSpec, max_tokens: int) -> list[int]:
+def offline(spec: DeploymentSpec, max_tokens: int, prompt=PROMPT) -> list[int]:
     engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "serve", SECRET))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return engine.generate(list(PROMPT), params, tenant="tenant-a")[0].token_ids
+    return engine.generate(list(prompt), params, tenant="tenant-a")[0].token_ids
+
+
+def take_task(app, queue: str) -> str:
+    """The payload of the next task message waiting in ``queue`` (taken off it)."""
+    with app.connection_for_write() as conn:
+        message = conn.default_channel.basic_get(queue, no_ack=True)
+    assert message is not None, f"no task waiting in {queue}"
+    args, _, _ = message.decode()
+    return args[0]
 
 
 def test_app_and_streams_work_over_embedded_redis_socket(tmp_path):
@@ -129,7 +153,7 @@ def test_app_and_streams_work_over_embedded_redis_socket(tmp_path):
         assert c.llen("tessera.embedded.serve") == 1
         stream = RequestStream(c, "r1", "w1")
         assert stream.claim()
-        stream.publish(Event("token", token_ids=[1]), Event("final", finish_reason="stop"))
+        stream.publish(Event(kind="token", token_ids=[1]), Event(kind="final", finish_reason="stop"))
         assert stream.state().finished and stream.state().events == 2
     finally:
         server.shutdown()
@@ -185,7 +209,7 @@ def test_redelivered_task_after_partial_output_fails_with_worker_lost_instead_of
     task = make_task(spec)
     dead = RequestStream(client, task.request_id, "dead-worker")
     assert dead.claim()
-    dead.publish(Event("token", token_ids=[1, 2], text="ab"))
+    dead.publish(Event(kind="token", token_ids=[1, 2], text="ab"))
     client.delete(lease_key(task.request_id))  # the dead worker's lease ran out
     runner.run(TASK_SERVE, task.to_json())
     events = read_stream(client, task.request_id)
@@ -245,16 +269,47 @@ def test_decode_takes_over_from_prefill_and_recomputes_when_the_kv_blob_is_gone(
     task = make_task(spec, max_tokens=6)
     prefill = RequestStream(client, task.request_id, "prefill-worker")
     assert prefill.claim()  # prefill still holds the lease when decode starts
-    prefill.publish(Event("token", token_ids=expected[:1]))
+    prefill.publish(Event(kind="token", token_ids=expected[:1]))
     gone = KVHandoff(
-        task.request_id, "fp32", len(PROMPT), 4, 2, 64, expected[0], 0, "redis", "tessera:kv:gone"
+        request_id=task.request_id,
+        kv_format="fp32",
+        num_tokens=len(PROMPT),
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        first_token=expected[0],
+        cached_tokens=0,
+        transport="redis",
+        location="tessera:kv:gone",
     )
-    runner.run(TASK_DECODE, replace(task, handoff=gone).to_json())
+    runner.run(TASK_DECODE, updated(task, handoff=gone).to_json())
     events = read_stream(client, task.request_id)
     assert tokens_of(events) == expected
     assert [e.worker_id for e in events] == ["prefill-worker"] + [runner.worker_id] * 6
     assert events[-1].usage == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 6}
     assert not client.exists(lease_key(task.request_id))
+
+
+def test_a_damaged_kv_blob_fails_its_request_with_kv_handoff_corrupt(client, local):
+    spec, serve_runner = local
+    engine, app = serve_runner.engine, serve_runner.app
+    prefill = TaskRunner(
+        engine, client, app, worker_id=f"{spec.name}-p", pool="prefill", host="h", export_kv="fp32"
+    )
+    decode = TaskRunner(engine, client, app, worker_id=f"{spec.name}-d", pool="decode", host="h")
+    task = make_task(spec, max_tokens=6, decode_queue=worker_queue(f"{spec.name}-d"))
+    prefill.run(TASK_PREFILL, task.to_json())
+    payload = take_task(app, task.decode_queue)
+    blob = GenerateTask.from_json(payload).handoff
+    assert blob.transport == "redis"  # no decode worker heartbeats for this deployment: no shared memory
+    last = client.getrange(blob.location, blob.nbytes - 1, blob.nbytes - 1)[0]
+    client.setrange(blob.location, blob.nbytes - 1, bytes([last ^ 0x01]))  # one bit of the V payload
+    decode.run(TASK_DECODE, payload)
+    events = read_stream(client, task.request_id)
+    assert [e.kind for e in events] == ["token", "error"]
+    assert events[-1].error["code"] == "kv_handoff_corrupt" and "checksum" in events[-1].error["message"]
+    assert events[-1].usage["completion_tokens"] == 1
+    assert engine.stats()["kv_pages_used"] == 0
 
 
 def test_recovering_a_dead_worker_requeues_unstarted_requests_and_fails_cut_off_ones(
@@ -273,7 +328,7 @@ def test_recovering_a_dead_worker_requeues_unstarted_requests_and_fails_cut_off_
     )
     stream = RequestStream(client, cut_off.request_id, dead)
     assert stream.claim()
-    stream.publish(Event("token", token_ids=[4], text="x"))
+    stream.publish(Event(kind="token", token_ids=[4], text="x"))
     runner.app.send_task(TASK_SERVE, args=[queued.to_json()], queue=worker_queue(dead))
 
     runner.recover(dead)
@@ -295,24 +350,32 @@ class Workers:
         self.logs: dict[str, Path] = {}
 
     def start(
-        self, spec: DeploymentSpec, pool: str, worker_id: str, log_dir: Path, loglevel="WARNING"
+        self,
+        spec: DeploymentSpec,
+        pool: str,
+        worker_id: str,
+        log_dir: Path,
+        loglevel="WARNING",
+        fault: str | None = None,
     ) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "gpu_workers.pools.worker",
-            "--spec-json",
-            spec.to_json(),
-            "--pool",
-            pool,
-        ]
+        """Start a worker process; ``fault`` (device | slow:SECONDS) starts tests/faulty_worker.py instead,
+        whose model misbehaves on a prompt holding TRIGGER."""
+        cmd = [sys.executable, "-m", "gpu_workers.pools.worker"]
+        if fault is not None:
+            cmd = [sys.executable, "-m", "tests.faulty_worker", "--fault", fault]
+            cmd += ["--trigger", ",".join(map(str, TRIGGER))]
+        cmd += ["--spec-json", spec.to_json(), "--pool", pool]
         cmd += ["--redis-url", REDIS_URL, "--worker-id", worker_id, "--threads", "4", "--loglevel", loglevel]
         env = dict(os.environ, **{SECRET_ENV: SECRET.decode()})
         self.logs[worker_id] = log_dir / f"{worker_id}.log"
         with open(self.logs[worker_id], "w") as log:
-            self.procs[worker_id] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.procs[worker_id] = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+            )
 
-    def wait_ready(self, specs_pools: list[tuple[DeploymentSpec, str, str]], timeout_s: float = 60.0) -> None:
+    def wait_ready(
+        self, specs_pools: list[tuple[DeploymentSpec, str, str]], timeout_s: float = 120.0
+    ) -> None:
         end = time.monotonic() + timeout_s
         for spec, pool, worker_id in specs_pools:
             while not self.client.hexists(workers_key(spec.name, pool), worker_id):
@@ -394,6 +457,33 @@ def test_disaggregated_prefill_hands_fp8_kv_to_decode_and_the_stream_continues(c
     assert not Path("/dev/shm", imported[2]).exists()  # taken once, unlinked
 
 
+def test_a_stop_string_that_begins_in_prefills_first_token_is_found_by_decode(client, cluster):
+    _, _, disagg, _ = cluster
+    tokens = handoff_reference(disagg, 8)
+    detokenizer = IncrementalDetokenizer(
+        Engine.from_pretrained(disagg.checkpoint).tokenizer, prompt_ids=PROMPT
+    )
+    pieces = [detokenizer.push([t]) for t in tokens]
+    full, start = "".join(pieces), len(pieces[0]) - 1
+    assert start >= 0 and all(pieces), pieces
+    # The shortest text from the first token's last character on that occurs nowhere else: decode can find
+    # it only with the first token's text in view.
+    stop = next(
+        full[start:end]
+        for end in range(start + 2, len(full) + 1)
+        if full.find(full[start:end]) == start and full[start:end] not in full[start + 1 :]
+    )
+    ends_at = len(stop) + start
+    needed = next(n for n in range(1, len(tokens) + 1) if len("".join(pieces[:n])) >= ends_at)
+    assert needed > 1  # the stop string runs past the first token: prefill alone cannot see it
+    task = make_task(disagg, max_tokens=8, stop=[stop], decode_queue=disagg.queue("decode"))
+    make_celery(REDIS_URL).send_task(TASK_PREFILL, args=[task.to_json()], queue=disagg.queue("prefill"))
+    events = read_stream(client, task.request_id)
+    assert events[-1].kind == "final" and events[-1].finish_reason == "stop"
+    assert "".join(e.text for e in events) == full[:start]  # the client never sees the stop string
+    assert tokens_of(events) == tokens[:needed]
+
+
 def handoff_reference(spec: DeploymentSpec, max_tokens: int) -> list[int]:
     """The same hand-off done in one process: prefill engine, FP8 export, decode engine."""
     prefill = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "prefill", SECRET))
@@ -470,3 +560,71 @@ def test_stopped_worker_leaves_the_pool_at_once(client, cluster):
     proc.send_signal(signal.SIGTERM)  # warm shutdown: finish running tasks, then leave
     assert proc.wait(timeout=20) == 0
     assert workers.info(disagg, "decode", ids["decode"]) is None
+
+
+# -- a worker whose engine fails, or whose step is slow ------------------------------------------------------
+
+
+def test_a_worker_whose_engine_fails_leaves_the_pool_fails_its_requests_and_exits_nonzero(
+    client, namespace, demo_model_dir, tmp_path
+):
+    spec = spec_for(namespace, demo_model_dir, "fatal", mode="colocated")
+    worker_id = f"{namespace}-fatal"
+    workers = Workers(client)
+    workers.start(spec, "serve", worker_id, tmp_path, fault="device")
+    try:
+        workers.wait_ready([(spec, "serve", worker_id)])
+        app = make_celery(REDIS_URL)
+        running = make_task(spec, max_tokens=LONG)
+        app.send_task(TASK_SERVE, args=[running.to_json()], queue=worker_queue(worker_id))
+        read_stream(client, running.request_id, stop_after_tokens=3)
+        trigger = make_task(spec, prompt=PROMPT + TRIGGER)  # its prefill hits the device error
+        app.send_task(TASK_SERVE, args=[trigger.to_json()], queue=worker_queue(worker_id))
+        for task in (running, trigger):
+            final = read_stream(client, task.request_id)[-1]
+            assert final.kind == "error" and final.error["code"] == "worker_lost"
+            assert "illegal memory access" in final.error["message"] and "retry" in final.error["message"]
+        assert workers.procs[worker_id].wait(timeout=30) == EXIT_ENGINE_FAILED  # its supervisor restarts it
+        assert workers.info(spec, "serve", worker_id) is None  # no longer advertised to the router
+    finally:
+        workers.stop_all()
+
+
+@pytest.mark.slow
+def test_a_step_longer_than_the_heartbeat_ttl_neither_kills_the_worker_nor_its_request(
+    client, namespace, demo_model_dir, tmp_path
+):
+    spec = spec_for(namespace, demo_model_dir, "slow", mode="colocated")
+    worker_id = f"{namespace}-slow"
+    workers = Workers(client)
+    workers.start(spec, "serve", worker_id, tmp_path, fault=f"slow:{HEARTBEAT_TTL_S + 3}")
+    declared_dead: list[str] = []
+
+    def peer_info() -> WorkerInfo:
+        peer_id = f"{namespace}-peer"
+        return WorkerInfo(
+            worker_id=peer_id,
+            deployment=spec.name,
+            pool="serve",
+            queue=worker_queue(peer_id),
+            host="test",
+            pid=os.getpid(),
+            last_seen=time.time(),
+        )
+
+    # A live peer of the pool, running the real dead-worker detection.
+    peer = Heartbeat(client, peer_info, on_dead_peer=declared_dead.append)
+    try:
+        workers.wait_ready([(spec, "serve", worker_id)])
+        peer.start()
+        prompt = PROMPT + TRIGGER  # its prefill step sleeps past the heartbeat TTL
+        task = make_task(spec, max_tokens=8, prompt=prompt)
+        make_celery(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(worker_id))
+        events = read_stream(client, task.request_id, timeout_s=HEARTBEAT_TTL_S + 40)
+        assert events[-1].kind == "final" and events[-1].finish_reason == "length", events[-1]
+        assert tokens_of(events) == offline(spec, 8, prompt)
+        assert declared_dead == []
+        assert workers.info(spec, "serve", worker_id) is not None
+    finally:
+        peer.stop()
+        workers.stop_all()

@@ -17,7 +17,9 @@ import torch
 from gpu_workers.engine import admission
 from gpu_workers.engine.admission import Prompt
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.engine.failures import StepFailures
 from gpu_workers.engine.params import (
+    ENGINE_FAILED,
     EngineConfig,
     InvalidRequest,
     RequestError,
@@ -80,7 +82,11 @@ class Engine:
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._loop_thread: threading.Thread | None = None
-        self._counters = {"steps": 0, "generated_tokens": 0, "computed_tokens": 0}
+        self._on_failure: Callable[[BaseException], None] | None = None
+        self._counters = {"steps": 0, "generated_tokens": 0, "computed_tokens": 0, "failed_steps": 0}
+        self._failures = StepFailures()
+        self._exports: list[tuple[Sequence, StreamEvent]] = []  # final events waiting for their KV conversion
+        self.failed: BaseException | None = None  # what stopped the engine for good; None while it serves
 
     @classmethod
     def from_pretrained(
@@ -108,16 +114,28 @@ class Engine:
         on_event: Callable[[StreamEvent], None] | None = None,
         export_kv: str | None = None,
         kv_import: KVBlock | None = None,
+        streamed_output: int = 0,
     ) -> str:
         """Queue a request; returns its id. A bad request finishes at once with finish_reason "error".
 
         ``tenant`` scopes the prefix cache: only requests of the same tenant share cached pages.
         ``export_kv`` (a KV format name) makes the finished request carry its prompt's KV as a KVBlock
         (``RequestOutput.kv`` / the final event's ``kv``); ``kv_import`` starts a request from such a
-        block instead of computing those tokens: the prefill → decode hand-off.
+        block instead of computing those tokens: the prefill → decode hand-off. A request that exports its
+        KV and ends on ``max_tokens`` continues elsewhere, so it keeps back text that a later token may
+        still complete (part of a stop string or of a character); the continuation passes
+        ``streamed_output``: how many of its prompt's last ids are output an earlier phase streamed. The
+        detokeniser replays them without emitting them again, so such text is released or stopped here.
         """
         seq = self._add(
-            prompt, params or SamplingParams(), request_id, on_event, tenant, export_kv, kv_import
+            prompt,
+            params or SamplingParams(),
+            request_id,
+            on_event,
+            tenant,
+            export_kv,
+            kv_import,
+            streamed_output,
         )
         return seq.request_id
 
@@ -197,38 +215,103 @@ class Engine:
     # -- the step loop ----------------------------------------------------------------------------
 
     def step(self) -> list[StreamEvent]:
-        """Schedule, run the model once over the batch, sample, and emit events for the tokens produced."""
+        """Schedule, run the model once over the batch, sample, and emit events for the tokens produced.
+
+        A step that raises fails only the requests in it (code ``internal_error``); the engine goes on
+        unless the error says it cannot (``failures``): then every request ends with ``engine_failed``,
+        ``failed`` holds the error and the ``on_failure`` callback of ``start`` runs.
+        """
         with self._lock:
-            batch = self.scheduler.schedule()
-            events = self._verify_integrity(batch) if self.config.integrity_check else []
-            if not batch:
-                return events
-            events += self._import_kv(batch)
-            if not batch:
-                return events
+            if self.failed is not None:
+                return []
+            batch = None
             try:
-                rows, logits = self.runner.run(batch)
-            except Exception as exc:  # a failed forward ends its batch, never the engine
-                log.exception("model step failed; failing %d requests", len(batch.seqs))
-                for seq in batch.seqs:
-                    self._finish(seq, "error", RequestError("internal_error", f"model step failed: {exc}"))
-                    events.append(seq.emit([], ""))
-                return events
-            self._counters["steps"] += 1
-            self._counters["computed_tokens"] += sum(batch.num_new_tokens)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed += n
-                self.pages.publish(seq.table, seq.tokens, seq.num_computed)
-            sampling = [batch.seqs[r] for r in rows]
-            tokens = sample(
-                logits,
-                [s.params for s in sampling],
-                [self._generator_for(s) for s in sampling],
-            )
-            events += [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
-            self._counters["generated_tokens"] += len(tokens)
-            self._work.notify_all()
+                batch = self.scheduler.schedule()
+                events = self._run(batch)
+            except Exception as exc:
+                events = self._step_failed(batch, exc)
+            exports, self._exports = self._exports, []
+            failed_now = self.failed is not None
+        # Converting exported KV is the costly part of a hand-off: outside the lock, so adds, aborts and
+        # other threads' work never wait for it.
+        events += [self._deliver_export(seq, event) for seq, event in exports]
+        if failed_now:
+            self._notify_failure()
+        return events
+
+    def _run(self, batch) -> list[StreamEvent]:
+        events = self._verify_integrity(batch) if self.config.integrity_check else []
+        if not batch:
             return events
+        events += self._import_kv(batch)
+        if not batch:
+            return events
+        rows, logits = self.runner.run(batch)
+        self._counters["steps"] += 1
+        self._counters["computed_tokens"] += sum(batch.num_new_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed += n
+            self.pages.publish(seq.table, seq.tokens, seq.num_computed)
+        sampling = [batch.seqs[r] for r in rows]
+        tokens = sample(
+            logits,
+            [s.params for s in sampling],
+            [self._generator_for(s) for s in sampling],
+        )
+        events += [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
+        self._counters["generated_tokens"] += len(tokens)
+        self._failures.succeeded()
+        self._work.notify_all()
+        return events
+
+    def _step_failed(self, batch, exc: Exception) -> list[StreamEvent]:
+        """End the requests of a failed step; stop the engine if it cannot go on."""
+        self._counters["failed_steps"] += 1
+        # A scheduler that raised left its queues half-updated: nothing it holds can be trusted.
+        if self._failures.failed(exc) or batch is None:
+            log.critical("engine step failed; the engine cannot go on", exc_info=exc)
+            return self._fail_engine(exc)
+        unfinished = [seq for seq in batch.seqs if seq.finish_reason is None]
+        log.error("engine step failed; failing the %d requests in it", len(unfinished), exc_info=exc)
+        error = RequestError(
+            "internal_error",
+            f"the engine step serving this request failed ({type(exc).__name__}: {exc}); "
+            "the request was stopped, other requests continue",
+        )
+        events = []
+        for seq in unfinished:
+            self._finish(seq, "error", error)
+            events.append(seq.emit([], ""))
+        return events
+
+    def _fail_engine(self, exc: BaseException) -> list[StreamEvent]:
+        """Stop for good: end every request, refuse new ones."""
+        self.failed = exc
+        error = RequestError(ENGINE_FAILED, self._failure_message())
+        events = []
+        for seq in list(self._requests.values()):
+            self._finish(seq, "error", error)
+            events.append(seq.emit([], ""))
+        return events
+
+    def _failure_message(self) -> str:
+        return (
+            f"the engine stopped after an error it cannot recover from ({type(self.failed).__name__}: "
+            f"{self.failed}); retry the request"
+        )
+
+    def _deliver_export(self, seq: Sequence, event: StreamEvent) -> StreamEvent:
+        """Convert a finished request's KV copy to its export format, then deliver its final event."""
+        try:
+            seq.kv = event.kv = transfer.convert(seq.kv, seq.export_kv)
+        except Exception as exc:
+            log.exception("request %s: could not convert its KV to %s", seq.request_id, seq.export_kv)
+            seq.finish_reason, seq.kv = "error", None
+            seq.error = RequestError(
+                "internal_error", f"could not convert the KV to {seq.export_kv} ({type(exc).__name__}: {exc})"
+            )
+            event = seq.event(event.token_ids, event.text)
+        return seq.deliver(event)
 
     def _generator_for(self, seq: Sequence) -> torch.Generator:
         """A seeded request draws from a generator keyed by (seed, position of the token being sampled),
@@ -238,7 +321,8 @@ class Engine:
         return seq.generator.manual_seed(position_seed(seq.params.seed, seq.num_tokens))
 
     def _import_kv(self, batch) -> list[StreamEvent]:
-        """Load handed-off KV into newly admitted sequences' pages; a block that does not fit fails its request."""
+        """Copy handed-off KV (converted when it was added) into newly admitted sequences' pages; a block
+        that cannot be copied fails only its request."""
         events = []
         for row in range(len(batch.seqs) - 1, -1, -1):
             seq = batch.seqs[row]
@@ -246,10 +330,12 @@ class Engine:
                 continue
             block, seq.kv_import = seq.kv_import, None
             try:
-                transfer.import_kv(self.cache, seq.table.pages, block)
-            except (ValueError, RuntimeError, KeyError) as exc:
+                transfer.write_pages(self.cache, seq.table.pages, block)
+            except Exception as exc:
+                log.exception("request %s: could not import its KV block", seq.request_id)
                 del batch.seqs[row], batch.num_new_tokens[row]
-                self._finish(seq, "error", RequestError("invalid_kv_import", f"could not import KV: {exc}"))
+                error = RequestError("internal_error", f"could not import KV ({type(exc).__name__}: {exc})")
+                self._finish(seq, "error", error)
                 events.append(seq.emit([], ""))
         return events
 
@@ -274,11 +360,15 @@ class Engine:
             events.append(seq.emit([], ""))
         return events
 
-    def start(self) -> None:
-        """Run the step loop on a background thread (for servers); ``stream`` then just waits."""
+    def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Run the step loop on a background thread (for servers); ``stream`` then just waits.
+
+        ``on_failure(error)`` runs once, on the loop thread, if the engine stops for good (``failed``).
+        """
         with self._lock:
             if self._loop_thread is not None:
                 return
+            self._on_failure = on_failure
             self._loop_thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
             self._loop_thread.start()
 
@@ -286,44 +376,65 @@ class Engine:
         with self._lock:
             thread, self._loop_thread = self._loop_thread, None
             self._work.notify_all()
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join()
 
     def _loop(self) -> None:
         me = threading.current_thread()
         while True:
             with self._work:
-                while self._loop_thread is me and not self.scheduler.has_work():
+                while self._loop_thread is me and self.failed is None and not self.scheduler.has_work():
                     self._work.wait()
-                if self._loop_thread is not me:
+                if self._loop_thread is not me or self.failed is not None:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # step() contains its own failures; this is the last line, not the plan
+                log.critical("engine loop failed", exc_info=exc)
+                with self._lock:
+                    if self.failed is None:
+                        self._fail_engine(exc)
+                self._notify_failure()
+                return
+
+    def _notify_failure(self) -> None:
+        """Run ``on_failure`` once (outside the lock); what it raises is logged, the engine is down anyway."""
+        callback, self._on_failure = self._on_failure, None
+        if callback is None:
+            return
+        try:
+            callback(self.failed)
+        except Exception:
+            log.exception("the engine's on_failure callback failed")
 
     def has_unfinished(self) -> bool:
         with self._lock:
             return self.scheduler.has_work()
 
     def stats(self) -> dict:
+        """Gauges and counters, read without the engine lock: heartbeats never wait for a step. Each value
+        is current; two of them may straddle a step."""
         cache = self.pages.prefix_cache
-        with self._lock:
-            return {
-                "kv_capacity_tokens": self.pages.capacity_tokens,
-                "kv_pages_total": self.pages.num_pages,
-                "kv_pages_used": self.pages.num_used,
-                "kv_page_size": self.pages.page_size,
-                "kv_cache_bytes": self.cache.nbytes,
-                "kv_cache_dtype": self.config.kv_cache_dtype,
-                "kv_bytes_per_token": self.cache.bytes_per_token,
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "preemptions": self.scheduler.num_preemptions,
-                "integrity_check": self.config.integrity_check,
-                "integrity_mismatches": self.pages.integrity.mismatches,
-                "prefix_cache_query_tokens": cache.query_tokens if cache else 0,
-                "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
-                "prefix_cache_pages": cache.num_cached if cache else 0,
-                **self._counters,
-            }
+        return {
+            "kv_capacity_tokens": self.pages.capacity_tokens,
+            "kv_pages_total": self.pages.num_pages,
+            "kv_pages_used": self.pages.num_used,
+            "kv_page_size": self.pages.page_size,
+            "kv_cache_bytes": self.cache.nbytes,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_bytes_per_token": self.cache.bytes_per_token,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "integrity_check": self.config.integrity_check,
+            "integrity_mismatches": self.pages.integrity.mismatches,
+            "prefix_cache_query_tokens": cache.query_tokens if cache else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_cache_pages": cache.num_cached if cache else 0,
+            "prefix_cache_stale_entries": cache.stale_entries if cache else 0,
+            "failed": self.failed is not None,
+            **self._counters,
+        }
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -336,43 +447,83 @@ class Engine:
         tenant: str | None,
         export_kv: str | None = None,
         kv_import: KVBlock | None = None,
+        streamed_output: int = 0,
     ) -> Sequence:
         request_id = request_id or uuid.uuid4().hex
-        with self._lock:
-            seq = Sequence(request_id, [], params, 0, next(self._arrivals), on_event=on_event)
-            try:
-                if request_id in self._requests:
-                    raise InvalidRequest(
-                        "duplicate_request_id", f"request id {request_id!r} is already running"
-                    )
-                seq.prompt_ids = admission.prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
-                seq.max_tokens = admission.check(
-                    seq.prompt_ids,
-                    params,
-                    self.max_model_len,
-                    self.pages.capacity_tokens,
-                    has_tokenizer=self.tokenizer is not None,
-                    export_kv=export_kv,
-                    kv_import_tokens=None if kv_import is None else kv_import.num_tokens,
-                )
-            except InvalidRequest as exc:
-                seq.status = Status.FINISHED
-                seq.finish_reason = "error"
-                seq.error = RequestError(exc.code, exc.message)
-                seq.emit([], "")
-                return seq
-            seq.table.salt = prefix_cache_salt(self._salt_secret, tenant)
-            seq.export_kv, seq.kv_import = export_kv, kv_import
-            if params.seed is not None:
-                seq.generator = torch.Generator()
-            if self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, stop=params.stop, prompt_ids=seq.prompt_ids
-                )
-            self._requests[request_id] = seq
-            self.scheduler.add(seq)
-            self._work.notify_all()
-            return seq
+        seq = Sequence(request_id, [], params, 0, -1, on_event=on_event)
+        try:
+            if kv_import is not None:
+                kv_import = self._prepare_import(kv_import)  # outside the lock: conversion is the costly part
+            with self._lock:
+                self._admit(seq, prompt, tenant, export_kv, kv_import, streamed_output)
+        except InvalidRequest as exc:
+            self._refuse(seq, RequestError(exc.code, exc.message))
+        except Exception as exc:
+            log.exception("request %s: could not be added", request_id)
+            self._refuse(
+                seq,
+                RequestError("internal_error", f"could not add the request ({type(exc).__name__}: {exc})"),
+            )
+        return seq
+
+    def _prepare_import(self, block: KVBlock) -> KVBlock:
+        try:
+            return transfer.for_cache(block, self.cache)
+        except transfer.InvalidKVBlock as exc:
+            raise InvalidRequest("invalid_kv_import", f"could not import KV: {exc}") from None
+
+    def _admit(
+        self,
+        seq: Sequence,
+        prompt: Prompt,
+        tenant: str | None,
+        export_kv: str | None,
+        kv_import: KVBlock | None,
+        streamed_output: int,
+    ) -> None:
+        """Validate and queue (under the lock); raises InvalidRequest."""
+        params = seq.params
+        if self.failed is not None:
+            raise InvalidRequest(ENGINE_FAILED, self._failure_message())
+        if seq.request_id in self._requests:
+            raise InvalidRequest("duplicate_request_id", f"request id {seq.request_id!r} is already running")
+        seq.prompt_ids = admission.prompt_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+        seq.max_tokens = admission.check(
+            seq.prompt_ids,
+            params,
+            self.max_model_len,
+            self.pages.capacity_tokens,
+            has_tokenizer=self.tokenizer is not None,
+            export_kv=export_kv,
+            kv_import_tokens=None if kv_import is None else kv_import.num_tokens,
+        )
+        if not 0 <= streamed_output < len(seq.prompt_ids):
+            raise InvalidRequest(
+                "invalid_streamed_output",
+                f"streamed_output counts prompt ids already streamed: 0 to {len(seq.prompt_ids) - 1}, "
+                f"got {streamed_output}",
+            )
+        seq.arrival = next(self._arrivals)
+        seq.table.salt = prefix_cache_salt(self._salt_secret, tenant)
+        seq.export_kv, seq.kv_import = export_kv, kv_import
+        if params.seed is not None:
+            seq.generator = torch.Generator()
+        if self.tokenizer is not None:
+            context = len(seq.prompt_ids) - streamed_output
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, stop=params.stop, prompt_ids=seq.prompt_ids[:context]
+            )
+            seq.detokenizer.push(seq.prompt_ids[context:])  # streamed already: only its held-back text stays
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self._work.notify_all()
+
+    @staticmethod
+    def _refuse(seq: Sequence, error: RequestError) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = "error"
+        seq.error = error
+        seq.emit([], "")
 
     def _append_token(self, seq: Sequence, token: int) -> StreamEvent:
         seq.output_ids.append(token)
@@ -386,15 +537,23 @@ class Engine:
                 reason = "stop"
         if reason is None and len(seq.output_ids) >= seq.max_tokens:
             reason = "length"
+        # An exporting request that reached max_tokens continues elsewhere (add_request): what the
+        # detokeniser holds back is the continuation's to release.
+        continues = reason == "length" and seq.export_kv is not None
         if reason is not None:
-            if seq.detokenizer is not None and not seq.detokenizer.stopped:
+            if seq.detokenizer is not None and not seq.detokenizer.stopped and not continues:
                 text += seq.detokenizer.finish()
             self._finish(seq, reason)
-        return seq.emit([token], text)
+        event = seq.event([token], text)
+        if seq.export_kv is not None and reason in ("stop", "length"):
+            self._exports.append((seq, event))  # delivered once its KV is converted, after the lock
+            return event
+        return seq.deliver(event)
 
     def _finish(self, seq: Sequence, reason: str, error: RequestError | None = None) -> None:
         if seq.export_kv is not None and reason in ("stop", "length"):
-            seq.kv = transfer.export_kv(self.cache, seq.table.pages, seq.num_computed, seq.export_kv)
+            # A copy of the pages as stored (they are freed below); step() converts it outside the lock.
+            seq.kv = transfer.read_pages(self.cache, seq.table.pages, seq.num_computed)
         seq.finish_reason = reason
         seq.error = error
         self.scheduler.finish(seq)

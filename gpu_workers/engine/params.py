@@ -8,6 +8,9 @@ from typing import Any
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The error code of every request of an engine that stopped for good (``Engine.failed``): a device error, or
+# steps that kept failing. A worker reports it as ``worker_lost`` and exits so that it is restarted.
+ENGINE_FAILED = "engine_failed"
 
 
 class InvalidRequest(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,8 @@ import torch
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.engine.params import RequestError, RequestOutput, SamplingParams, StreamEvent
 from gpu_workers.kv.manager import PageTable
+
+log = logging.getLogger(__name__)
 
 
 class Status(enum.Enum):
@@ -39,7 +42,7 @@ class Sequence:
     admitted: bool = False
     export_kv: str | None = None  # KV format to export the prompt's KV in when the request finishes
     kv_import: Any = None  # KVBlock to load into the first pages at admission, instead of computing
-    kv: Any = None  # the exported KVBlock
+    kv: Any = None  # the exported KVBlock (as the cache stores it until the step converts it)
 
     @property
     def imported_tokens(self) -> int:
@@ -78,8 +81,8 @@ class Sequence:
             kv=self.kv,
         )
 
-    def emit(self, token_ids: list[int], text: str) -> StreamEvent:
-        event = StreamEvent(
+    def event(self, token_ids: list[int], text: str) -> StreamEvent:
+        return StreamEvent(
             self.request_id,
             token_ids,
             text,
@@ -89,6 +92,16 @@ class Sequence:
             len(self.prompt_ids),
             self.cached_tokens,
         )
+
+    def deliver(self, event: StreamEvent) -> StreamEvent:
+        """Hand an event to the request's callback; a callback that raises is the caller's bug, not the
+        engine's, so it is logged and the engine goes on."""
         if self.on_event is not None:
-            self.on_event(event)
+            try:
+                self.on_event(event)
+            except Exception:
+                log.exception("the event callback of request %s failed", self.request_id)
         return event
+
+    def emit(self, token_ids: list[int], text: str) -> StreamEvent:
+        return self.deliver(self.event(token_ids, text))

@@ -1,22 +1,36 @@
 """Move a sequence's KV out of one cache and into another, converting formats: the prefill→decode hand-off.
 
-A ``KVBlock`` holds the first ``num_tokens`` tokens of a sequence, free of any page layout, in the
-receiving pool's format (FP8 halves the bytes on the wire too). FP8 blocks carry one power-of-two scale per
-layer for K and V, set from the sequence's own amax (the dynamic scheme of ``kv.cache``). Importing writes
-through the receiving cache's normal write path, so its own scale policy (static or dynamic) applies and
-the pages it fills are freshly allocated, with fresh integrity tags.
+A ``KVBlock`` holds the first ``num_tokens`` tokens of a sequence, free of any page layout except one thing:
+an FP8 block keeps the scale every page was written with, one per (layer, page of ``page_size`` tokens) for
+K and V, so FP8 travels bit for bit and is never quantised a second time.
+
+The steps are split so that an engine holds its lock only for plain copies:
+- ``read_pages`` (under the sending engine's lock): the tokens as the cache stores them, with their pages'
+  scales; a copy, because the pages are freed right after.
+- ``convert`` (outside it): into the receiving pool's format. FP8 to FP8 changes nothing; an unquantised
+  block quantised to FP8 gets one power-of-two scale per layer from its own amax, the scale the receiving
+  cache would give a prompt written in one step (the dynamic scheme of ``kv.cache``).
+- ``for_cache`` (outside the receiving engine's lock): checked against the cache, and in its format and
+  page size; a static-scale FP8 cache requantises to its own scales.
+- ``write_pages`` (under that lock): copy into freshly allocated pages, which carry fresh integrity tags.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_workers.formats.fp8 import FP8_DTYPE, dequantize_fp8, fp8_scale_pow2, quantize_fp8
-from gpu_workers.kv.cache import KVCache, WriteSpans
+from gpu_workers.formats.fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, fp8_scale_pow2, quantize_fp8
+from gpu_workers.kv.cache import KVCache
 
 KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": FP8_DTYPE}
+FP8 = "fp8_e4m3"
+
+
+class InvalidKVBlock(ValueError):
+    """A block that cannot be imported: malformed, or built for another model or format."""
 
 
 def kv_format_name(dtype: torch.dtype) -> str:
@@ -30,36 +44,98 @@ class KVBlock:
     num_tokens: int
     k: torch.Tensor  # [layers, tokens, kv_heads, head_dim]; uint8 bits for fp8_e4m3
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # [layers] fp32, fp8_e4m3 only
+    k_scale: torch.Tensor | None = None  # [layers, pages] fp32, fp8_e4m3 only: each page's scale
     v_scale: torch.Tensor | None = None
+    page_size: int = 0  # tokens per page of the cache it came from; what the FP8 scales are per
 
     @property
     def nbytes(self) -> int:
         scales = self.k_scale.nbytes + self.v_scale.nbytes if self.k_scale is not None else 0
         return self.k.nbytes + self.v.nbytes + scales
 
+    @property
+    def num_pages(self) -> int:
+        return -(-self.num_tokens // self.page_size) if self.page_size else 0
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Named tensors for serialisation (safetensors)."""
+        """Named tensors for serialisation (safetensors); ``metadata`` holds the rest."""
         out = {"k": self.k, "v": self.v}
         if self.k_scale is not None:
             out |= {"k_scale": self.k_scale, "v_scale": self.v_scale}
         return out
 
+    def metadata(self) -> str:
+        return json.dumps({"kv_format": self.kv_format, "page_size": self.page_size})
+
     @classmethod
-    def from_tensors(cls, kv_format: str, tensors: dict[str, torch.Tensor]) -> KVBlock:
-        if kv_format not in KV_FORMATS:
-            raise ValueError(f"unknown KV format {kv_format!r}; expected one of {sorted(KV_FORMATS)}")
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: str) -> KVBlock:
+        meta = json.loads(metadata)
         k, v = tensors["k"], tensors["v"]
-        return cls(kv_format, k.shape[1], k, v, tensors.get("k_scale"), tensors.get("v_scale"))
+        block = cls(
+            meta["kv_format"],
+            k.shape[1],
+            k,
+            v,
+            tensors.get("k_scale"),
+            tensors.get("v_scale"),
+            meta["page_size"],
+        )
+        check(block)
+        return block
+
+    def to(self, device: torch.device | str) -> KVBlock:
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return replace(
+            self, k=move(self.k), v=move(self.v), k_scale=move(self.k_scale), v_scale=move(self.v_scale)
+        )
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as float32."""
-        if self.kv_format == "fp8_e4m3":
-            return (
-                dequantize_fp8(self.k, self.k_scale[:, None, None, None], torch.float32),
-                dequantize_fp8(self.v, self.v_scale[:, None, None, None], torch.float32),
+        if self.kv_format != FP8:
+            return self.k.float(), self.v.float()
+        page_of = torch.arange(self.num_tokens, device=self.k.device) // self.page_size
+        return (
+            dequantize_fp8(self.k, self.k_scale[:, page_of, None, None], torch.float32),
+            dequantize_fp8(self.v, self.v_scale[:, page_of, None, None], torch.float32),
+        )
+
+
+def check(block: KVBlock, spec=None) -> None:
+    """Raise InvalidKVBlock saying what is wrong with ``block`` (against the model's ``KVSpec`` if given)."""
+    if block.kv_format not in KV_FORMATS:
+        raise InvalidKVBlock(f"unknown KV format {block.kv_format!r}; expected one of {sorted(KV_FORMATS)}")
+    k, v = block.k, block.v
+    if k.dim() != 4 or k.shape != v.shape or k.shape[1] != block.num_tokens:
+        raise InvalidKVBlock(
+            f"K {tuple(k.shape)} and V {tuple(v.shape)} must both be [layers, {block.num_tokens} tokens, "
+            "KV heads, head dim]"
+        )
+    stored = torch.uint8 if block.kv_format == FP8 else KV_FORMATS[block.kv_format]
+    if k.dtype != stored or v.dtype != stored:
+        raise InvalidKVBlock(f"a {block.kv_format} block stores {stored}, got K {k.dtype} and V {v.dtype}")
+    if spec is not None and (k.shape[0], k.shape[2], k.shape[3]) != (
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+    ):
+        raise InvalidKVBlock(
+            f"KV block of shape {tuple(k.shape)} does not fit this model's cache "
+            f"({spec.num_layers} layers, {spec.num_kv_heads} KV heads, head_dim {spec.head_dim}); "
+            "do both pools serve the same checkpoint?"
+        )
+    if block.kv_format != FP8:
+        return
+    expected = (k.shape[0], block.num_pages)
+    for name, scale in (("k_scale", block.k_scale), ("v_scale", block.v_scale)):
+        if block.page_size <= 0 or scale is None or tuple(scale.shape) != expected:
+            raise InvalidKVBlock(
+                f"an fp8_e4m3 block needs {name} of shape [layers, pages] = {list(expected)} for its "
+                f"page_size ({block.page_size}), got {None if scale is None else list(scale.shape)}"
             )
-        return self.k.float(), self.v.float()
+        if scale.dtype != SCALE_DTYPE or not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+            raise InvalidKVBlock(f"{name} must be finite, positive {SCALE_DTYPE} scales")
 
 
 def _slots(pages: list[int], num_tokens: int, page_size: int, device) -> torch.Tensor:
@@ -68,51 +144,99 @@ def _slots(pages: list[int], num_tokens: int, page_size: int, device) -> torch.T
     return table[positions // page_size] * page_size + positions % page_size
 
 
-def export_kv(cache: KVCache, pages: list[int], num_tokens: int, kv_format: str) -> KVBlock:
-    """The KV of tokens [0, num_tokens) held in ``pages``, converted to ``kv_format``."""
+def _flat(cache: KVCache, t: torch.Tensor) -> torch.Tensor:
+    """[layers, slots, kv_heads, head_dim] view of the cache's K or V."""
+    return t.view(cache.spec.num_layers, -1, cache.spec.num_kv_heads, cache.spec.head_dim)
+
+
+def read_pages(cache: KVCache, pages: list[int], num_tokens: int) -> KVBlock:
+    """A copy of tokens [0, num_tokens) held in ``pages``, as the cache stores them (cheap: run it under the lock)."""
+    device = cache.k.device
+    slots = _slots(pages, num_tokens, cache.page_size, device)
+    k = _flat(cache, cache.k).index_select(1, slots)
+    v = _flat(cache, cache.v).index_select(1, slots)
+    block = KVBlock(kv_format_name(cache.dtype), num_tokens, k, v, page_size=cache.page_size)
+    if cache.quantized:
+        held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
+        block.k_scale, block.v_scale = cache.k_scale[:, held], cache.v_scale[:, held]
+    return block
+
+
+def convert(block: KVBlock, kv_format: str) -> KVBlock:
+    """``block`` in ``kv_format``, on the CPU (for the wire); FP8 stays as it is, scales and all."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}; expected one of {sorted(KV_FORMATS)}")
-    slots = _slots(pages, num_tokens, cache.page_size, cache.k.device)
-    slot_pages = slots // cache.page_size
-    ks, vs = [], []
-    for layer in range(cache.spec.num_layers):
-        k_slots, v_slots = cache.layer(layer)
-        k, v = k_slots[slots], v_slots[slots]
-        if cache.quantized:
-            k_scale, v_scale = cache.layer_scales(layer)
-            k = dequantize_fp8(k, k_scale[slot_pages][:, None, None], torch.float32)
-            v = dequantize_fp8(v, v_scale[slot_pages][:, None, None], torch.float32)
-        ks.append(k.float())
-        vs.append(v.float())
-    k, v = torch.stack(ks).cpu(), torch.stack(vs).cpu()
-    if kv_format != "fp8_e4m3":
-        return KVBlock(kv_format, num_tokens, k.to(KV_FORMATS[kv_format]), v.to(KV_FORMATS[kv_format]))
-    k_scale = fp8_scale_pow2(k.abs().amax(dim=(1, 2, 3)))
-    v_scale = fp8_scale_pow2(v.abs().amax(dim=(1, 2, 3)))
-    return KVBlock(
-        kv_format,
-        num_tokens,
-        quantize_fp8(k, k_scale[:, None, None, None]),
-        quantize_fp8(v, v_scale[:, None, None, None]),
-        k_scale,
-        v_scale,
-    )
+    if block.kv_format == kv_format:
+        return block.to("cpu")
+    k, v = block.dequantized()
+    if kv_format != FP8:
+        dtype = KV_FORMATS[kv_format]
+        return KVBlock(
+            kv_format, block.num_tokens, k.to(dtype).cpu(), v.to(dtype).cpu(), page_size=block.page_size
+        )
+    page_size = block.page_size or block.num_tokens  # a layout-free block: all of it is one page
+    return _quantized(k, v, fp8_scale_pow2(_amax(k)), fp8_scale_pow2(_amax(v)), page_size).to("cpu")
 
 
-def import_kv(cache: KVCache, pages: list[int], block: KVBlock) -> None:
-    """Write ``block`` into ``pages`` (already allocated for at least ``block.num_tokens`` tokens)."""
-    spec = cache.spec
-    if tuple(block.k.shape[0:1] + block.k.shape[2:]) != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
-        raise ValueError(
-            f"KV block of shape {tuple(block.k.shape)} does not fit this model's cache "
-            f"({spec.num_layers} layers, {spec.num_kv_heads} KV heads, head_dim {spec.head_dim})"
+def for_cache(block: KVBlock, cache: KVCache) -> KVBlock:
+    """``block`` checked against ``cache`` and converted to its format and page size, on its device."""
+    check(block, cache.spec)
+    block = block.to(cache.k.device)
+    kv_format = kv_format_name(cache.dtype)
+    if not cache.quantized:
+        if block.kv_format == kv_format:
+            return block
+        k, v = block.dequantized()
+        return KVBlock(
+            kv_format, block.num_tokens, k.to(cache.dtype), v.to(cache.dtype), page_size=cache.page_size
+        )
+    static = cache.static_scales
+    if block.kv_format == FP8 and block.page_size == cache.page_size and static is None:
+        return block  # the pages' own scales: bit for bit what the sending cache held
+    k, v = block.dequantized()
+    if static is not None:
+        k_scale = torch.tensor(static.k_scale, dtype=SCALE_DTYPE, device=k.device)
+        v_scale = torch.tensor(static.v_scale, dtype=SCALE_DTYPE, device=k.device)
+    else:
+        k_scale, v_scale = fp8_scale_pow2(_amax(k)), fp8_scale_pow2(_amax(v))
+    return _quantized(k, v, k_scale, v_scale, cache.page_size)
+
+
+def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
+    """Copy a ``for_cache`` block into ``pages`` (allocated for at least ``block.num_tokens`` tokens)."""
+    if block.kv_format != kv_format_name(cache.dtype) or (
+        cache.quantized and block.page_size != cache.page_size
+    ):
+        raise InvalidKVBlock(
+            f"a {block.kv_format} block of page size {block.page_size} cannot be copied into a "
+            f"{kv_format_name(cache.dtype)} cache of page size {cache.page_size}; convert it with for_cache"
         )
     device = cache.k.device
     slots = _slots(pages, block.num_tokens, cache.page_size, device)
-    spans = WriteSpans(
-        token_seq=torch.zeros(block.num_tokens, dtype=torch.long, device=device),
-        prev_page=torch.full((1,), -1, dtype=torch.long, device=device),
+    _flat(cache, cache.k)[:, slots] = block.k
+    _flat(cache, cache.v)[:, slots] = block.v
+    if cache.quantized:
+        held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
+        cache.k_scale[:, held] = block.k_scale
+        cache.v_scale[:, held] = block.v_scale
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().amax(dim=(1, 2, 3))
+
+
+def _quantized(
+    k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, page_size: int
+) -> KVBlock:
+    """An FP8 block of float K/V quantised with one scale per layer, recorded for each of its pages."""
+    num_tokens = k.shape[1]
+    num_pages = -(-num_tokens // page_size)
+    return KVBlock(
+        FP8,
+        num_tokens,
+        quantize_fp8(k, k_scale[:, None, None, None]),
+        quantize_fp8(v, v_scale[:, None, None, None]),
+        k_scale[:, None].expand(-1, num_pages).contiguous(),
+        v_scale[:, None].expand(-1, num_pages).contiguous(),
+        page_size,
     )
-    k, v = block.dequantized()
-    for layer in range(spec.num_layers):
-        cache.write(layer, k[layer].to(device), v[layer].to(device), slots, spans)

@@ -17,22 +17,30 @@ stale, a live peer of its pool recovers its in-flight requests by the same rule 
 re-queues the tasks waiting in its worker queue; so a reader never waits past a worker's death by more than
 ``HEARTBEAT_TTL_S`` plus one heartbeat, as long as one worker of the pool lives. Usage is counted once: only
 the terminal event carries it, and the lease lets exactly one attempt write a terminal event.
+
+A worker whose engine failed for good (``Engine.failed``) ends its running requests with ``worker_lost`` and
+hands every task it has not started back to the pool queue, for a live peer (``worker.py`` then exits).
+The KV hand-off blob carries a checksum; decode fails the request with ``kv_handoff_corrupt`` when it does
+not match, and recomputes the prompt when the blob is gone.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 
 import redis
 from celery import Celery
 
 from gpu_workers.engine import Engine, SamplingParams, StreamEvent
-from gpu_workers.kv.transfer import KVBlock
-from gpu_workers.pools.handoff import HandoffMissing, HandoffStore, colocated_decode
+from gpu_workers.engine.params import ENGINE_FAILED
+from gpu_workers.kv.transfer import InvalidKVBlock, KVBlock
+from gpu_workers.pools.handoff import HandoffCorrupt, HandoffMissing, HandoffStore, colocated_decode
 from gpu_workers.pools.inflight import Inflight, take_orphans
+from gpu_workers.pools.messages import updated
 from gpu_workers.pools.stream import LeaseLost, RequestStream
 from gpu_workers.protocol import (
     TASK_DECODE,
@@ -76,9 +84,15 @@ def sampling_params(sampling: Sampling, max_tokens: int | None = None) -> Sampli
     )
 
 
+def as_dict(usage: Usage) -> dict[str, int]:
+    return json.loads(usage.to_json())
+
+
 def error_event(code: str, message: str, usage: Usage | None = None) -> Event:
     return Event(
-        "error", error={"code": code, "message": message}, usage=None if usage is None else asdict(usage)
+        kind="error",
+        error={"code": code, "message": message},
+        usage=None if usage is None else as_dict(usage),
     )
 
 
@@ -132,6 +146,11 @@ class TaskRunner:
 
     def run(self, name: str, payload: str) -> None:
         task = GenerateTask.from_json(payload)
+        if self.engine.failed is not None:
+            # This worker is on its way out (worker.py); a task it has not started belongs to a live peer.
+            log.warning("engine failed; handing %s of request %s back to its pool", name, task.request_id)
+            self.app.send_task(name, args=[payload], queue=pool_queue(task.deployment, POOL_OF_TASK[name]))
+            return
         stream = RequestStream(self.client, task.request_id, self.worker_id)
         state = stream.state()
         if state.finished:
@@ -184,12 +203,14 @@ class TaskRunner:
         usage = Usage(prompt_tokens=len(task.prompt_ids))
         if not self._admit(task, stream, usage):
             return
+        hand_off = task.sampling.max_tokens > 1
         params = sampling_params(task.sampling, max_tokens=1)
-        outcome = self._generate(task, stream, task.prompt_ids, params, export_kv=self.export_kv)
+        export = self.export_kv if hand_off else None
+        outcome = self._generate(task, stream, task.prompt_ids, params, export_kv=export)
         final = outcome.final
         usage.cached_tokens = final.cached_tokens
         usage.completion_tokens = outcome.completion_tokens
-        if final.finish_reason != "length" or task.sampling.max_tokens <= 1:
+        if not hand_off or final.finish_reason != "length":
             stream.publish(self._terminal(outcome, usage))  # done in one token (EOS, stop), or failed
             return
         block: KVBlock = final.kv
@@ -204,7 +225,7 @@ class TaskRunner:
             first_token=final.token_ids[-1],
             cached_tokens=usage.cached_tokens,
         )
-        header = self.handoff.put(header, block.tensors(), self._transport(task.deployment, decode_queue))
+        header = self.handoff.put(header, block, self._transport(task.deployment, decode_queue))
         log.info(
             "request %s: handing KV of %d tokens to %s via %s %s (%d bytes)",
             task.request_id,
@@ -214,7 +235,7 @@ class TaskRunner:
             header.location,
             header.nbytes,
         )
-        decode = replace(task, decode_queue=decode_queue, handoff=header)
+        decode = updated(task, decode_queue=decode_queue, handoff=header)
         try:
             self.app.send_task(TASK_DECODE, args=[decode.to_json()], queue=decode_queue)
         except Exception:
@@ -228,29 +249,39 @@ class TaskRunner:
                 error_event("invalid_task", "a decode task needs the KV hand-off header from prefill")
             )
             return
-        usage = Usage(len(task.prompt_ids), header.cached_tokens, completion_tokens=1)
+        usage = Usage(
+            prompt_tokens=len(task.prompt_ids), cached_tokens=header.cached_tokens, completion_tokens=1
+        )
         if not self._admit(task, stream, usage):
             self.handoff.discard(header)
             return
-        block = self._take_kv(header)
+        try:
+            block = self._take_kv(header)
+        except HandoffCorrupt as exc:
+            log.error("request %s: %s", task.request_id, exc)
+            stream.publish(error_event("kv_handoff_corrupt", f"{exc}; retry the request", usage))
+            return
         params = sampling_params(task.sampling, max_tokens=task.sampling.max_tokens - 1)
         prompt = task.prompt_ids + [header.first_token]
-        outcome = self._generate(task, stream, prompt, params, kv_import=block)
+        # The first token was prefill's output: replaying it lets a stop string that began there end here.
+        outcome = self._generate(task, stream, prompt, params, kv_import=block, streamed_output=1)
         usage.completion_tokens += outcome.completion_tokens
         stream.publish(self._terminal(outcome, usage))
 
     def _take_kv(self, header: KVHandoff) -> KVBlock | None:
-        """The prompt's KV from prefill; None (the engine recomputes the prompt) if it cannot be used."""
+        """The prompt's KV from prefill; None (the engine recomputes the prompt) if it cannot be used.
+        Raises HandoffCorrupt for a blob whose checksum does not match."""
         try:
-            tensors = self.handoff.take(header)
+            block = self.handoff.take(header)
         except HandoffMissing as exc:
             log.warning("request %s: %s; recomputing its prompt", header.request_id, exc)
             return None
-        block = KVBlock.from_tensors(header.kv_format, tensors)
+        except InvalidKVBlock as exc:
+            log.error("request %s: unusable KV hand-off (%s); recomputing its prompt", header.request_id, exc)
+            return None
         spec = self.engine.model.kv_spec
         expected = (spec.num_layers, header.num_tokens, spec.num_kv_heads, spec.head_dim)
-        if tuple(block.k.shape) != expected or block.v.shape != block.k.shape:
-            # Importing runs inside the engine's step: a block that does not fit must never get there.
+        if tuple(block.k.shape) != expected:
             log.error(
                 "request %s: KV hand-off of shape %s, expected %s (layers, tokens, KV heads, head dim); "
                 "do prefill and decode serve the same checkpoint? recomputing the prompt",
@@ -279,7 +310,7 @@ class TaskRunner:
     def _admit(self, task: GenerateTask, stream: RequestStream, usage: Usage) -> bool:
         """False (after publishing why) if the request was cancelled or is past its deadline already."""
         if self.client.exists(cancel_key(task.request_id)):
-            stream.publish(Event("final", finish_reason="abort", usage=asdict(usage)))
+            stream.publish(Event(kind="final", finish_reason="abort", usage=as_dict(usage)))
             return False
         if time.time() >= task.deadline:
             stream.publish(self._deadline_error(task, usage))
@@ -303,7 +334,7 @@ class TaskRunner:
                 completion += sum(len(e.token_ids) for e in batch)
                 stream.publish(
                     *(
-                        Event("token", token_ids=e.token_ids, text=e.text)
+                        Event(kind="token", token_ids=e.token_ids, text=e.text)
                         for e in batch
                         if e.token_ids or e.text
                     )
@@ -326,10 +357,12 @@ class TaskRunner:
         final = outcome.final
         if final.finish_reason == "error":
             error = final.error
+            if error.code == ENGINE_FAILED:  # the worker exits and is restarted: to the client, a lost worker
+                return error_event("worker_lost", error.message, usage)
             return error_event(error.code, error.message, usage)
         if final.finish_reason == "abort" and outcome.deadline_exceeded:
             return self._deadline_error(None, usage)
-        return Event("final", finish_reason=final.finish_reason, usage=asdict(usage))
+        return Event(kind="final", finish_reason=final.finish_reason, usage=as_dict(usage))
 
     @staticmethod
     def _deadline_error(task: GenerateTask | None, usage: Usage) -> Event:
@@ -364,14 +397,14 @@ class TaskRunner:
                     stream.publish(worker_lost())
             finally:
                 stream.release()
-        self._requeue_worker_queue(dead_worker_id)
+        self.requeue_worker_queue(dead_worker_id)
 
-    def _requeue_worker_queue(self, dead_worker_id: str) -> None:
-        """Move the tasks waiting in a dead worker's own queue to its pool's queue."""
+    def requeue_worker_queue(self, worker_id: str) -> None:
+        """Move the tasks waiting in a (dead or departing) worker's own queue to its pool's queue."""
         pool_q = None
         with self.app.connection_for_write() as conn:
             channel = conn.default_channel
-            while (message := channel.basic_get(worker_queue(dead_worker_id), no_ack=True)) is not None:
+            while (message := channel.basic_get(worker_queue(worker_id), no_ack=True)) is not None:
                 name = message.headers["task"]
                 args, kwargs, _ = message.decode()
                 pool_q = pool_q or pool_queue(GenerateTask.from_json(args[0]).deployment, self.pool)

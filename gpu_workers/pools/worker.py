@@ -2,6 +2,11 @@
 
 ``run_worker`` is what ``tessera worker`` calls; ``python -m gpu_workers.pools.worker`` runs it standalone
 (the prefix-cache secret comes from the environment, never the command line).
+
+If the engine stops for good (``Engine.failed``: a device error, or steps that keep failing), the worker
+leaves its pool at once (no more heartbeats, its entry removed), its running requests end with
+``worker_lost``, the tasks it had not started go back to the pool queue, and the process exits with
+``EXIT_ENGINE_FAILED`` so that its supervisor starts a fresh one.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import sys
 import time
 import uuid
 
+from celery.worker import state as celery_state
+
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
 from gpu_workers.pools.handoff import HandoffStore
@@ -24,6 +31,7 @@ from gpu_workers.protocol import POOLS, DeploymentSpec, WorkerInfo, connect_redi
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "TESSERA_PREFIX_CACHE_SECRET"
+EXIT_ENGINE_FAILED = os.EX_SOFTWARE if hasattr(os, "EX_SOFTWARE") else 70
 
 
 def engine_config(spec: DeploymentSpec, pool: str, secret: bytes, device: str = "cpu") -> EngineConfig:
@@ -58,7 +66,8 @@ def run_worker(
     device: str | None = None,
     loglevel: str = "INFO",
 ) -> None:
-    """Serve ``spec``'s ``pool`` until the process is told to stop (SIGTERM/SIGINT: finish running tasks).
+    """Serve ``spec``'s ``pool`` until the process is told to stop (SIGTERM/SIGINT: finish running tasks);
+    if the engine fails for good, raise SystemExit(EXIT_ENGINE_FAILED) once running tasks have ended.
 
     ``threads`` bounds the requests this worker serves at once (each task holds a thread until its request
     ends), so it should be close to ``spec.max_num_seqs``. ``handoff`` (prefill): ``auto`` uses shared
@@ -120,7 +129,14 @@ def run_worker(
         store.sweep()
 
     heartbeat = Heartbeat(client, info, on_tick=upkeep, on_dead_peer=runner.recover)
-    engine.start()
+
+    def on_engine_failure(error: BaseException) -> None:
+        log.critical("worker %s: the engine failed for good (%s); leaving the pool", worker_id, error)
+        heartbeat.stop()  # routers stop choosing this worker now, not a heartbeat TTL from now
+        # Celery's warm shutdown: no new tasks, the running ones end (each with worker_lost), then exit.
+        celery_state.should_stop = EXIT_ENGINE_FAILED
+
+    engine.start(on_failure=on_engine_failure)
     heartbeat.start()
     log.info("worker %s serving %s/%s on %s (%s KV)", worker_id, spec.name, pool, device, kv_format)
     try:
@@ -138,6 +154,11 @@ def run_worker(
     finally:
         heartbeat.stop()
         engine.stop()
+    if engine.failed is not None:
+        # Nobody consumes this worker's own queue any more, and with its entry gone no peer recovers it.
+        runner.requeue_worker_queue(worker_id)
+        log.critical("worker %s exits with %d so that it is restarted", worker_id, EXIT_ENGINE_FAILED)
+        raise SystemExit(EXIT_ENGINE_FAILED)
 
 
 def main(argv: list[str] | None = None) -> int:
