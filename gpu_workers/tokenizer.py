@@ -22,6 +22,26 @@ class ChatTemplateError(ValueError):
     """The checkpoint has no chat template, or its template rejected the messages."""
 
 
+class UnencodableText(ValueError):
+    """Text with a lone UTF-16 surrogate: not valid Unicode, so no tokenizer can encode it."""
+
+
+def check_text(text: str) -> str:
+    """``text`` unchanged, or UnencodableText saying where it is not valid Unicode.
+
+    JSON's ``\\ud800`` escapes decode to lone surrogates that Python strings hold but UTF-8 (and so the
+    Rust tokenizer) cannot represent; found here, they are the caller's error rather than a crash.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnencodableText(
+            f"the text has a lone UTF-16 surrogate (U+{ord(text[e.start]):04X}) at character {e.start}, "
+            "which is not valid Unicode; send valid UTF-8 text (surrogates only as pairs)"
+        ) from None
+    return text
+
+
 class Tokenizer:
     """Encode, decode and render chat prompts the way Hugging Face's tokenizer for this checkpoint does."""
 
@@ -57,8 +77,10 @@ class Tokenizer:
         return self.chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with special tokens, BOS is added once (by the post-processor or here)."""
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; with special tokens, BOS is added once (by the post-processor or here).
+
+        Raises UnencodableText for text that is not valid Unicode."""
+        ids = self._tokenizer.encode(check_text(text), add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -171,8 +172,72 @@ def test_capacity_command_prints_every_weight_and_kv_format(capsys):
     for fmt in ("bf16", "fp8", "int4"):
         assert any(line.startswith(fmt) for line in out.splitlines())
     assert "70,272.0" in out  # 61 layers x 576 elements x 2 bytes
-    with pytest.raises(ValueError, match="unknown model config"):
-        run_capacity(capsys, "--config", "GPT-5", "--memory-gib", "80")
+
+
+def tessera_capacity(capsys, *argv: str) -> tuple[int, str, str]:
+    """`tessera capacity ...` through the CLI's own main: (exit code, stdout, stderr)."""
+    from tessera.cli import main
+
+    try:
+        code = main(["capacity", *argv])
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+LLAMA = ("--config", "Llama-3.1-8B")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (LLAMA, "--memory-gib"),
+        ((*LLAMA, "--memory-gib", "-1"), "--memory-gib"),
+        ((*LLAMA, "--memory-gib", "0"), "--memory-gib"),
+        ((*LLAMA, "--memory-gib", "lots"), "--memory-gib"),
+        ((*LLAMA, "--memory-gib", "80", "--gpus", "0"), "--gpus"),
+        ((*LLAMA, "--memory-gib", "80", "--reserve-gib", "-2"), "--reserve-gib"),
+        ((*LLAMA, "--memory-gib", "80", "--page-size", "0"), "--page-size"),
+        (("--config", "GPT-5", "--memory-gib", "80"), "unknown model config 'GPT-5'"),
+    ],
+    ids=["no-memory", "negative-memory", "zero-memory", "memory-not-a-number", "zero-gpus",
+         "negative-reserve", "zero-page-size", "unknown-config"],
+)  # fmt: skip
+def test_bad_capacity_arguments_exit_2_with_a_message(capsys, argv, message):
+    code, out, err = tessera_capacity(capsys, *argv)
+    assert code == 2
+    assert message in err and out == ""
+
+
+@pytest.mark.parametrize("extra", [(), ("--json",)], ids=["table", "json"])
+def test_weights_over_the_memory_do_not_fit_and_exit_non_zero(capsys, extra):
+    # Llama-3.1-8B's int4 weights alone are 5.4 GiB.
+    code, out, err = tessera_capacity(capsys, *LLAMA, "--memory-gib", "4", *extra)
+    assert code == 1
+    assert "does not fit" in err and "int4" in err and "5.4 GiB" in err
+    if extra:
+        assert not any(row["fits"] for row in json.loads(out)["rows"])
+    else:
+        assert out.count("does not fit") == 3 and not re.search(r"\s-\d", out)  # no negative free memory
+
+
+def test_reserve_counts_against_the_memory_when_deciding_what_fits(capsys):
+    code, _, err = tessera_capacity(capsys, *LLAMA, "--memory-gib", "16", "--reserve-gib", "16")
+    assert code == 1 and "does not fit" in err
+
+
+def test_formats_that_do_not_fit_are_marked_while_the_others_are_counted(capsys):
+    code, out, _ = tessera_capacity(capsys, *LLAMA, "--memory-gib", "10")
+    assert code == 0
+    rows = {
+        line.split()[0]: line
+        for line in out.splitlines()
+        if line.split()[:1] in (["bf16"], ["fp8"], ["int4"])
+    }
+    assert "does not fit" in rows["bf16"] and not re.search(r"\s-\d", rows["bf16"])
+    assert "does not fit" not in rows["fp8"] and "12,593" in rows["fp8"]
+    assert "37,595" in rows["int4"]
 
 
 # -- the seed's published figures (SEED-NOTES.md) -------------------------------------------------------

@@ -139,14 +139,38 @@ def test_text_prompt_without_tokenizer_is_a_usage_error(no_tokenizer_dir):
         (["--prompt-ids", "1,2", "--dtype", "int8"], 2, "dtype must be one of"),
         (["--prompt-ids", "1,x"], 2, "comma-separated integers"),
         (["--prompt-ids", "1,2", "--page-size", "3"], 2, "power of two"),
-        (["--prompt-ids", "1,99999", "--json"], 1, "token ids must be integers"),
+        (["--prompt-ids", "1,99999", "--json"], 2, "token ids must be integers"),
+        # The demo checkpoint's context is 2048 tokens.
+        (["--prompt-ids", "1,2", "--max-tokens", "100000"], 2, "context of 2048"),
+        (["--prompt-ids", "1,2", "--max-tokens", "100000", "--json"], 2, "context of 2048"),
+        (["--prompt-ids", "1,2", "--prompt-ids", "1,2,3,4", "--max-tokens", "2045"], 2, "prompt 1:"),
     ],
-)
+    ids=["top-p", "max-tokens-zero", "dtype", "ids-not-integers", "page-size", "id-out-of-vocab",
+         "max-tokens-over-context", "max-tokens-over-context-json", "prompt-plus-max-tokens"],
+)  # fmt: skip
 def test_bad_arguments_exit_non_zero_with_a_message(demo_model_dir, args, code, message):
     result = tessera("generate", "--model", demo_model_dir, *args)
     assert result.returncode == code
     assert message in result.stderr + result.stdout
     assert "Traceback" not in result.stderr
+    if code == 2:
+        assert result.stdout.strip() == ""  # refused before generating anything
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["init-model", "{tmp}/m", "--arch", "gpt"], "unknown arch 'gpt'"),
+        (["calibrate", "{model}", "--out", "{tmp}/s.json", "--dtype", "int8"], "--dtype must be one of"),
+        (["calibrate", "{model}", "--out", "{tmp}/s.json", "--max-tokens", "0"], "--max-tokens"),
+    ],
+    ids=["init-model-arch", "calibrate-dtype", "calibrate-max-tokens"],
+)
+def test_bad_arguments_of_other_commands_exit_2(demo_model_dir, tmp_path, args, message):
+    result = tessera(*(a.format(tmp=tmp_path, model=demo_model_dir) for a in args))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "m").exists() and not (tmp_path / "s.json").exists()
 
 
 def test_missing_model_folder_is_reported_without_traceback(tmp_path):

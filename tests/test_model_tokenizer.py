@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from gpu_workers.tokenizer import ChatTemplateError, load_tokenizer
+from gpu_workers.tokenizer import ChatTemplateError, UnencodableText, load_tokenizer
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<|im_end|>"]
 BOS, EOS, IM_END = 1, 2, 3
@@ -66,6 +66,15 @@ def test_encode_decode_round_trip(tmp_path):
         ids = tokenizer.encode(text)
         assert tokenizer.decode(ids) == text
     assert tokenizer.vocab_size == 300
+
+
+@pytest.mark.parametrize("text", ["\ud800", "ok \udfff", "\ud83d then text"])
+def test_text_with_a_lone_surrogate_is_a_value_error_saying_where(tmp_path, text):
+    tokenizer = load_tokenizer(write_checkpoint_tokenizer(tmp_path))
+    position = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) < 0xE000)
+    with pytest.raises(UnencodableText, match=f"surrogate .* at character {position}.*UTF-8"):
+        tokenizer.encode(text)
+    assert tokenizer.decode(tokenizer.encode("\U0001f600")) == "\U0001f600"  # a real pair is fine
 
 
 def test_add_bos_token_prepends_bos_once(tmp_path):

@@ -4,6 +4,7 @@ prefill and one decode worker): what a user of the platform does first.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -228,6 +229,36 @@ def test_raw_bad_bodies_are_400(up, content):
         content=content,
     )
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_text_the_tokenizer_cannot_encode_is_400_on_the_real_platform(up, stream):
+    # json.dumps escapes the lone surrogate as \ud800, as any JSON client may; httpx's json= cannot.
+    body = json.dumps({"model": DEFAULT_MODEL, "prompt": "def f():\ud800", "stream": stream})
+    response = httpx.post(
+        f"{up.url}/v1/completions",
+        headers={"Authorization": f"Bearer {up.key}", "Content-Type": "application/json"},
+        content=body.encode(),
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "surrogate" in error["message"]
+
+
+def test_penalties_the_engine_cannot_apply_are_refused_not_ignored(client):
+    for name in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=4, **{name: 0.5}
+            )
+        assert info.value.param == name and "not supported" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, presence_penalty=2.5)
+    assert info.value.param == "presence_penalty"
+    reply = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=4, presence_penalty=0, frequency_penalty=0
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_oversized_body_is_413(up):

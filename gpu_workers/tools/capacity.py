@@ -181,9 +181,10 @@ class CapacityRow:
     weight_format: str
     kv_format: str
     weight_gib_per_gpu: float
-    free_gib_per_gpu: float
+    free_gib_per_gpu: float  # negative: how far the weights and the reserve exceed the memory
     kv_bytes_per_token_per_gpu: float
     tokens: int  # KV tokens the whole deployment holds at once
+    fits: bool  # the weights leave room for at least one token of KV cache
 
 
 def capacity(
@@ -199,8 +200,28 @@ def capacity(
         for kv_format in KV_FORMATS:
             per_token = model.kv.bytes_per_token(kv_format, gpus, page_size)
             tokens = max(0, int(free // per_token))
-            rows.append(CapacityRow(weight_format, kv_format, weights / GIB, free / GIB, per_token, tokens))
+            rows.append(
+                CapacityRow(
+                    weight_format, kv_format, weights / GIB, free / GIB, per_token, tokens, tokens > 0
+                )
+            )
     return rows
+
+
+def does_not_fit(
+    model: ModelShapes, rows: list[CapacityRow], memory_gib: float, gpus: int, reserve_gib: float = 0.0
+) -> str | None:
+    """Why no weight format fits (the smallest one's need), or None when at least one does."""
+    if any(row.fits for row in rows):
+        return None
+    smallest = min(rows, key=lambda row: row.weight_gib_per_gpu)
+    reserve = f" plus {reserve_gib:g} GiB reserved" if reserve_gib else ""
+    return (
+        f"{model.name} does not fit in {gpus} GPU(s) x {memory_gib:g} GiB in any weight format: the "
+        f"smallest, {smallest.weight_format}, needs "
+        f"{smallest.weight_gib_per_gpu:.1f} GiB per GPU{reserve} and leaves no room for KV cache; "
+        "give it more GPUs (--gpus) or more memory (--memory-gib)"
+    )
 
 
 def named_model(name: str) -> ModelShapes:
@@ -407,6 +428,13 @@ def format_table(
     by_format = {(r.weight_format, r.kv_format): r for r in rows}
     for fmt in WEIGHT_FORMATS:
         bf16, fp8 = by_format[fmt, "bf16"], by_format[fmt, "fp8_e4m3"]
+        if not (bf16.fits or fp8.fits):
+            short = -bf16.free_gib_per_gpu
+            lines.append(
+                f"{fmt:<8}{bf16.weight_gib_per_gpu:>9.1f} GiB   does not fit"
+                + (f" ({short:.1f} GiB/GPU short)" if short > 0 else " (no room for KV cache)")
+            )
+            continue
         ratio = f"{fp8.tokens / bf16.tokens:.3f}" if bf16.tokens else "-"
         lines.append(
             f"{fmt:<8}{bf16.weight_gib_per_gpu:>9.1f} GiB{bf16.free_gib_per_gpu:>7.1f} GiB"

@@ -19,6 +19,7 @@ from gpu_workers.protocol import DeploymentSpec
 from gpu_workers.tokenizer import Tokenizer, load_tokenizer
 from tessera.errors import APIError
 from tessera.models import Deployment
+from tessera.tenancy import DEPLOYMENT_NAME_RE
 
 ROW_TTL_S = 5.0
 
@@ -45,6 +46,10 @@ class Catalog:
 
     def get(self, name: str) -> Model:
         """The enabled deployment ``name``, or a 404 that says how to find the valid ids."""
+        if not DEPLOYMENT_NAME_RE.fullmatch(name):
+            # Never a deployment: no database round trip, no negative-cache entry, and no text (a NUL,
+            # say) that one database or another refuses to compare.
+            raise _not_found(name)
         with self._lock:
             cached = self._models.get(name)
         if cached is not None and cached[0] > time.monotonic():
@@ -57,12 +62,7 @@ class Catalog:
                 if model is not None or len(self._models) < 10_000:  # unknown names can't grow it unbounded
                     self._models[name] = (time.monotonic() + self._ttl_s, model)
         if model is None:
-            raise APIError(
-                404,
-                f"the model '{name}' does not exist or is not enabled; GET /v1/models lists the models you can use",
-                "model_not_found",
-                param="model",
-            )
+            raise _not_found(name)
         return model
 
     def enabled(self) -> list[tuple[str, int]]:
@@ -104,3 +104,12 @@ class Catalog:
             with self._lock:
                 self._checkpoints[key] = loaded
         return loaded
+
+
+def _not_found(name: str) -> APIError:
+    return APIError(
+        404,
+        f"the model {name!r} does not exist or is not enabled; GET /v1/models lists the models you can use",
+        "model_not_found",
+        param="model",
+    )

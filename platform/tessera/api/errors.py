@@ -35,7 +35,19 @@ def request_id(request: Request) -> str:
 
 
 async def parse_body(request: Request, schema: type[BaseModel]) -> Any:
-    """The request body as ``schema``, or a 400 that says whether the bytes, the JSON or a field is wrong."""
+    """The request body as ``schema``, or a 400 that says whether the bytes, the JSON or a field is wrong.
+
+    A body declared as something other than JSON is a 415; an undeclared one is read as JSON, as curl
+    users and OpenAI's API expect.
+    """
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json(content_type):
+        raise APIError(
+            415,
+            f"the request body is declared as {content_type!r}; send JSON with "
+            "'Content-Type: application/json'",
+            "unsupported_media_type",
+        )
     raw = await request.body()
     try:
         text = raw.decode("utf-8")
@@ -63,14 +75,25 @@ async def parse_body(request: Request, schema: type[BaseModel]) -> Any:
         raise validation_error(e.errors()) from None
 
 
+def _is_json(content_type: str) -> bool:
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
 def validation_error(errors: Any) -> APIError:
     """One 400 naming the first bad field (pydantic's errors, from our parser or FastAPI's)."""
-    first = errors[0]
-    path = _field_path(first.get("loc", ()))
+    path = _field_path(errors[0].get("loc", ()))
+    # A union field fails once per member; the member that got deepest says what is really wrong
+    # (a bad text part, not "should be a valid string").
+    first = max(
+        (e for e in errors if _field_path(e.get("loc", ())) == path), key=lambda e: len(e.get("loc", ()))
+    )
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "missing":
         message = f"missing required parameter '{path}'"

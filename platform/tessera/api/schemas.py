@@ -1,10 +1,23 @@
-"""Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s, not coerced)."""
+"""Request bodies of the OpenAI-compatible endpoints, validated strictly (wrong types are 400s, not coerced).
+
+Unknown top-level fields are ignored, as OpenAI's API does; parameters we know but cannot honour are refused.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from gpu_workers.tokenizer import check_text
 
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
@@ -21,6 +34,15 @@ UNSUPPORTED = (
 )
 
 
+def _valid_unicode(value: Any) -> Any:
+    # Before pydantic's own checks, which reject a lone surrogate with a message that hides the cause.
+    return check_text(value) if isinstance(value, str) else value
+
+
+# Text the tokenizer, the database and the task queue can all hold: valid Unicode (no lone surrogates).
+Text = Annotated[str, BeforeValidator(_valid_unicode)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -31,13 +53,26 @@ class StreamOptions(_Strict):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    # validate_default: a missing content is checked like an explicit null.
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI allows null content only on assistant messages (those that carried tool calls).
+        role = info.data.get("role")
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(
+                f"a {role} message needs content (a string or a list of text parts); "
+                "only assistant messages may have null content"
+            )
+        return value
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: plain-text content; ``developer`` is OpenAI's new
@@ -53,17 +88,20 @@ class ChatMessage(_Strict):
 class GenerationRequest(_Strict):
     """What both endpoints share. ``None`` means the default, as in OpenAI's API."""
 
-    model: str = Field(min_length=1)
+    model: Text = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: list[Text] | None = None  # a single string is taken as a list of one
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
-    user: str | None = None
+    user: Text | None = None
+    # Accepted in OpenAI's range, but the engine has no penalties: anything but 0 is refused below.
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
 
     @model_validator(mode="before")
     @classmethod
@@ -74,14 +112,29 @@ class GenerationRequest(_Strict):
                     raise ValueError(f"'{name}' is not supported by this API; remove it from the request")
         return data
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
     @field_validator("stop")
     @classmethod
-    def _valid_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
+    def _valid_stop(cls, value: list[str] | None) -> list[str] | None:
+        stops = value or []
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value:
+            raise ValueError(
+                f"'{info.field_name}' is not supported by this API (the engine applies no penalties); "
+                "remove it or set it to 0"
+            )
         return value
 
     @field_validator("n")
@@ -93,7 +146,7 @@ class GenerationRequest(_Strict):
 
     @property
     def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
@@ -113,9 +166,11 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI also takes a batch (a list of strings or of token-id lists); a batch of one is unwrapped
+    # before validation, so errors name the one prompt's own problem.
+    prompt: Text | list[int]
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and value and isinstance(value[0], str | list):

@@ -4,6 +4,7 @@ exit code, the argument types (ids, shapes, byte counts), and the engine flags."
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 
@@ -60,6 +61,37 @@ def parse_bytes(value: str) -> int:
             f"expected a byte count like 268435456, 512MiB or 8GiB, got {value!r}"
         )
     return int(match.group(1)) * _UNITS[(match.group(2) or "b").lower()]
+
+
+def parse_positive_int(value: str) -> int:
+    number = _number(value, int, "a positive integer")
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def parse_positive_float(value: str) -> float:
+    number = _number(value, float, "a positive number")
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def parse_non_negative_float(value: str) -> float:
+    number = _number(value, float, "a number >= 0")
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
+    return number
+
+
+def _number(value: str, kind: type, expected: str):
+    try:
+        number = kind(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+    if not math.isfinite(number):  # "nan" and "inf" parse as floats
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+    return number
 
 
 def parse_optional_int(value: str) -> int | None:

@@ -63,8 +63,10 @@ def load_engine(args: argparse.Namespace):
 
 
 def cmd_init_model(args: argparse.Namespace) -> None:
-    from gpu_workers.tools.demo_checkpoint import write_demo_checkpoint
+    from gpu_workers.tools.demo_checkpoint import ARCHITECTURES, write_demo_checkpoint
 
+    if args.arch not in ARCHITECTURES:
+        raise CliError(f"unknown arch {args.arch!r}; choose one of {', '.join(ARCHITECTURES)}", exit_code=2)
     written = write_demo_checkpoint(
         args.dir, arch=args.arch, seed=args.seed, with_tokenizer=not args.no_tokenizer
     )
@@ -98,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     prompts = args.prompt or args.prompt_ids
     engine = load_engine(args)
+    refuse_invalid(engine, prompts, params)
     if args.json:
         outputs = engine.generate(prompts, params)
         for out in outputs:
@@ -113,6 +116,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
             failed = True
             print(f"tessera: error: prompt {i}: {out.error.message}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def refuse_invalid(engine, prompts, params) -> None:
+    """A prompt or limit the engine would refuse (context, vocabulary, KV budget) is a bad argument:
+    exit 2 before generating anything, rather than 1 after."""
+    from gpu_workers.engine import InvalidRequest, admission
+    from gpu_workers.tokenizer import UnencodableText
+
+    capacity = engine.stats()["kv_capacity_tokens"]
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = admission.prompt_ids(prompt, engine.tokenizer, engine.model.config.vocab_size)
+            admission.check(
+                ids, params, engine.max_model_len, capacity, has_tokenizer=engine.tokenizer is not None
+            )
+        except (InvalidRequest, UnencodableText) as exc:
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            raise CliError(where + str(exc), exit_code=2) from None
 
 
 def stream_one(engine, prompt, params) -> int:
