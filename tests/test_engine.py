@@ -427,3 +427,13 @@ def test_stats_never_wait_for_a_running_step(tiny_llama_dir):
     finally:
         release.set()
         engine.stop()
+
+
+def test_text_the_tokenizer_cannot_encode_finishes_with_an_error_instead_of_raising(demo_model_dir):
+    from gpu_workers import Engine, EngineConfig
+
+    engine = Engine.from_pretrained(demo_model_dir, EngineConfig(kv_budget_bytes=1 << 20))
+    (out,) = engine.generate("def f(\ud800):")
+    assert out.finish_reason == "error"
+    assert out.error.code == "invalid_prompt"
+    assert "U+D800" in out.error.message and "character 6" in out.error.message

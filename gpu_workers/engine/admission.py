@@ -44,7 +44,10 @@ def prompt_ids(prompt: Prompt, tokenizer, vocab_size: int) -> list[int]:
             raise InvalidRequest(
                 "no_tokenizer", "this checkpoint has no tokenizer.json; pass the prompt as token ids"
             )
-        ids = tokenizer.encode(prompt) if prompt else []
+        try:
+            ids = tokenizer.encode(prompt) if prompt else []
+        except ValueError as exc:  # text the tokenizer cannot encode, e.g. a lone surrogate
+            raise InvalidRequest("invalid_prompt", str(exc)) from None
     elif isinstance(prompt, list | tuple):
         ids = list(prompt)
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
