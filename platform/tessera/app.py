@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import connect_redis, make_celery
 from tessera import db
-from tessera.api import admin, errors, health, inference
+from tessera.api import admin, errors, health, inference, workers_ai
 from tessera.api.catalog import Catalog
 from tessera.auth import KeyVersion
 from tessera.quota_config import QuotaLookup
@@ -70,4 +70,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(inference.router)
     app.include_router(health.router)
     app.include_router(admin.router)
+    app.include_router(workers_ai.router)
     return app

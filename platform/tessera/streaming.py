@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import redis.asyncio as aioredis
@@ -228,6 +228,89 @@ class OpenAIShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
 
+    def error_chunk(self, error: APIError) -> dict[str, Any]:
+        return error.body()
+
+
+class Shape(Protocol):
+    """How one request's answer is written: the whole body, stream chunks, the usage chunk, a mid-stream error.
+    ``kind == "chat"`` opens a stream with a role chunk; a ``chunk`` of ``None`` is not sent."""
+
+    kind: str
+
+    def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]: ...
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None: ...
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+    def error_chunk(self, error: APIError) -> dict[str, Any]: ...
+
+
+# Workers AI's numeric error codes, by our error code; anything else is 5007 (bad input) when it is the
+# caller's fault and 3043 (internal error) when it is ours.
+WORKERS_AI_CODES = {
+    "invalid_api_key": 10000,
+    "permission_denied": 10000,
+    "rate_limit_exceeded": 3036,
+    "quota_exceeded": 3036,
+    "no_live_worker": 3040,
+    "worker_lost": 3040,
+    "queue_unavailable": 3040,
+    "quota_unavailable": 3040,
+    "model_unavailable": 3040,
+    "context_length_exceeded": 3006,
+    "max_tokens_too_large": 3006,
+    "kv_budget_exceeded": 3006,
+    "request_too_large": 3006,
+    "timeout": 3007,
+    "deadline_exceeded": 3007,
+    "model_not_found": 5018,
+    "account_not_found": 7003,
+}
+
+
+def workers_ai_code(error: APIError) -> int:
+    code = WORKERS_AI_CODES.get(error.code)
+    if code is not None:
+        return code
+    return 3043 if error.status >= 500 else 5007
+
+
+def workers_ai_envelope(result: Any) -> dict[str, Any]:
+    return {"result": result, "success": True, "errors": [], "messages": []}
+
+
+def workers_ai_error(error: APIError) -> dict[str, Any]:
+    """Workers AI's error envelope: ``success: false`` and ``errors: [{"code": <int>, "message"}]``."""
+    return {
+        "result": None,
+        "success": False,
+        "errors": [{"code": workers_ai_code(error), "message": error.message}],
+        "messages": [],
+    }
+
+
+@dataclass(frozen=True)
+class WorkersAIShape:
+    """Workers AI's ``/ai/run`` answers: ``{"result": {"response", "usage"}, "success", ...}``, or SSE
+    ``{"response": "..."}`` events, the last one with ``usage``, then ``[DONE]``."""
+
+    kind: str = "workers_ai"
+
+    def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
+        usage = usage_body(result.usage_or_count(prompt_tokens))
+        return workers_ai_envelope({"response": result.text, "usage": usage})
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
+        return {"response": text} if text else None
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {"response": "", "usage": usage_body(usage)}
+
+    def error_chunk(self, error: APIError) -> dict[str, Any]:
+        return workers_ai_error(error)
+
 
 async def collect(reader: StreamReader) -> Result:
     result = Result()
@@ -239,7 +322,7 @@ async def collect(reader: StreamReader) -> Result:
 
 async def sse(
     reader: StreamReader,
-    shape: OpenAIShape,
+    shape: Shape,
     prompt_tokens: int,
     include_usage: bool,
     on_finish: Callable[[Result], None],
@@ -257,11 +340,13 @@ async def sse(
             async for event in events:
                 result.add(event)
                 if event.kind == "error":
-                    yield _dump(event_error(event).body())
+                    yield _dump(shape.error_chunk(event_error(event)))
                     break
                 finish = event.finish_reason if event.kind == "final" else None
                 if event.text or finish:
-                    yield _dump(shape.chunk(event.text, finish))
+                    chunk = shape.chunk(event.text, finish)
+                    if chunk is not None:
+                        yield _dump(chunk)
         if include_usage and result.error is None:
             yield _dump(shape.usage_chunk(result.usage_or_count(prompt_tokens)))
         yield "[DONE]"

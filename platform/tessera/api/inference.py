@@ -150,9 +150,17 @@ class Gateway:
             )
         return list(prompt)
 
-    async def serve(self, request: Request, caller: Caller, prepared: Prepared, kind: str) -> Response:
+    async def serve(
+        self,
+        request: Request,
+        caller: Caller,
+        prepared: Prepared,
+        kind: str,
+        shape: streaming.Shape | None = None,
+    ) -> Response:
         """Admit the request against its tenant's (and key's) quotas, route and queue it, then answer with its
-        result or its stream; the quota reservation is settled once, to the tokens used, however it ends."""
+        result or its stream; the quota reservation is settled once, to the tokens used, however it ends.
+        ``shape`` writes the answer (default: OpenAI's objects for ``kind``, ``chat`` or ``text``)."""
         rid = request_id(request)
         spec = prepared.model.spec
         started_at = utcnow()
@@ -207,9 +215,10 @@ class Gateway:
                 client_gone=None if prepared.stream else request.is_disconnected,
                 started_at=started_at,
             )
-            shape = streaming.OpenAIShape(
-                kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
-            )
+            if shape is None:
+                shape = streaming.OpenAIShape(
+                    kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
+                )
 
             def settle(result: streaming.Result) -> None:
                 if result.usage is not None or result.token_ids:  # else it failed before producing tokens
