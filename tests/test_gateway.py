@@ -892,3 +892,23 @@ def test_unreachable_redis_is_503_not_500(stack):
         assert_openai_error(response, 503, "queue_unavailable")
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["checks"]["redis"] == "error"
+
+
+def test_a_full_worker_queue_refuses_requests_and_reject_if_busy_makes_it_429(gw):
+    queue = worker_queue("prefill-1")  # where the disaggregated model's requests wait for prefill
+    gw.pools.redis.delete(queue)
+    gw.pools.redis.rpush(queue, *["waiting"] * gw.settings.max_queue_depth)
+    try:
+        full = gw.chat()
+        busy = gw.client.post(
+            "/v1/chat/completions",
+            headers={**gw.auth(), "x-reject-if-busy": "true"},
+            json={"model": gw.model, "messages": [{"role": "user", "content": "Hi"}]},
+        )
+    finally:
+        gw.pools.redis.delete(queue)
+    error = assert_openai_error(full, 503, "queue_full")
+    assert str(gw.settings.max_queue_depth) in error["message"] and full.headers["retry-after"]
+    assert_openai_error(busy, 429, "out_of_capacity")
+    assert gw.pools.sent == []
+    assert gw.chat().status_code == 200  # room again once the queue drains

@@ -19,7 +19,7 @@ from test_gateway import redis_url as redis_url
 from test_gateway import served as served
 from test_gateway import stack as stack
 
-from gpu_workers.protocol import workers_key
+from gpu_workers.protocol import worker_queue, workers_key
 
 PREFIXES = ("", "/client/v4")
 
@@ -242,3 +242,16 @@ def test_quotas_apply_as_on_v1_and_a_rejection_is_429_with_3036(gw):
     assert_envelope_error(second, 429, 3036)
     assert int(second.headers["retry-after"]) >= 1
     assert len(gw.pools.sent) == 1
+
+
+def test_reject_if_busy_in_options_is_429_with_3040_when_the_queue_is_full(gw, account):
+    queue = worker_queue("prefill-1")
+    gw.pools.redis.delete(queue)
+    gw.pools.redis.rpush(queue, *["waiting"] * gw.settings.max_queue_depth)
+    try:
+        busy = run(gw, account, {"prompt": "Hi", "options": {"rejectIfBusy": True}})
+        waited = run(gw, account, {"prompt": "Hi"})
+    finally:
+        gw.pools.redis.delete(queue)
+    assert_envelope_error(busy, 429, 3040)
+    assert_envelope_error(waited, 503, 3040)

@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SECRET_KEY_FILE = "secret_key"
@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     secret_key: SecretStr | None = None
     max_body_bytes: int = 2**20
     request_timeout_s: float = 300.0
+    max_queue_depth: int = Field(256, ge=1)  # waiting tasks per worker queue before new requests are refused
     worker_heartbeat_ttl_s: float = 10.0
     # The Redis Stream of request outcomes (tessera.records): the API writes it, a writer in every API process
     # drains it into the database, and billing reads it. Installations sharing one Redis need their own.

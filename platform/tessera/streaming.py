@@ -255,6 +255,8 @@ WORKERS_AI_CODES = {
     "rate_limit_exceeded": 3036,
     "quota_exceeded": 3036,
     "no_live_worker": 3040,
+    "out_of_capacity": 3040,
+    "queue_full": 3040,
     "worker_lost": 3040,
     "queue_unavailable": 3040,
     "quota_unavailable": 3040,

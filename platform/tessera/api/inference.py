@@ -38,6 +38,7 @@ from tessera.settings import Settings
 log = logging.getLogger(__name__)
 
 AFFINITY_HEADER = "x-session-affinity"
+REJECT_IF_BUSY_HEADER = "x-reject-if-busy"
 DEADLINE_GRACE_S = 2.0  # the gateway outwaits the worker's own deadline, so the worker's error arrives first
 router = APIRouter()
 
@@ -157,10 +158,15 @@ class Gateway:
         prepared: Prepared,
         kind: str,
         shape: streaming.Shape | None = None,
+        reject_if_busy: bool = False,
     ) -> Response:
         """Admit the request against its tenant's (and key's) quotas, route and queue it, then answer with its
         result or its stream; the quota reservation is settled once, to the tokens used, however it ends.
-        ``shape`` writes the answer (default: OpenAI's objects for ``kind``, ``chat`` or ``text``)."""
+        ``shape`` writes the answer (default: OpenAI's objects for ``kind``, ``chat`` or ``text``).
+        A worker queue over ``max_queue_depth`` refuses the request (503, its reservation released);
+        ``reject_if_busy`` (or the ``x-reject-if-busy: true`` header) makes that an immediate 429 with the
+        capacity code instead."""
+        reject_if_busy = reject_if_busy or request.headers.get(REJECT_IF_BUSY_HEADER, "").lower() == "true"
         rid = request_id(request)
         spec = prepared.model.spec
         started_at = utcnow()
@@ -194,6 +200,7 @@ class Gateway:
             except RedisError as e:
                 log.error("could not read worker heartbeats for request %s: %s", rid, e)
                 raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
+            await self._check_capacity(route, reject_if_busy)
             deadline = time.time() + self.settings.request_timeout_s
             task = GenerateTask(
                 request_id=rid,
@@ -249,6 +256,30 @@ class Gateway:
         finally:
             if not streamed:
                 await held.settle()
+
+    async def _check_capacity(self, route: routing.Route, reject_if_busy: bool) -> None:
+        """Refuse a request whose worker queue already holds ``max_queue_depth`` waiting tasks."""
+        try:
+            depth = await self.redis.llen(route.queue)
+        except RedisError as e:
+            raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from e
+        if depth < self.settings.max_queue_depth:
+            return
+        if reject_if_busy:
+            raise APIError(
+                429,
+                f"the model is busy ({depth} requests waiting) and the request asked to be rejected when busy; "
+                "retry shortly",
+                "out_of_capacity",
+                headers={"Retry-After": "1"},
+            )
+        raise APIError(
+            503,
+            f"the model's queue is full ({depth} requests waiting, the bound is {self.settings.max_queue_depth}); "
+            "retry shortly",
+            "queue_full",
+            headers={"Retry-After": "2"},
+        )
 
     async def _enqueue(self, route: routing.Route, task: GenerateTask) -> None:
         expires = max(1.0, task.deadline - time.time())

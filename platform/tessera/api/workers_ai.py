@@ -58,6 +58,14 @@ class EnvelopeRoute(APIRoute):
 router = APIRouter(route_class=EnvelopeRoute, tags=["workers-ai"])
 
 
+class RunOptions(BaseModel):
+    """Workers AI's per-request options; ``rejectIfBusy`` answers 429 at once when the model is busy."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    rejectIfBusy: bool = False  # noqa: N815 (Workers AI's spelling)
+
+
 class RunRequest(BaseModel):
     """A text-generation request as Workers AI takes it: ``prompt`` or ``messages``, not both."""
 
@@ -71,6 +79,7 @@ class RunRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
+    options: RunOptions | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
@@ -165,4 +174,5 @@ async def run_model(request: Request, caller: AccountCaller, model: str, body: R
     openai_body = _openai_request(model, body)
     prepared = await run_in_threadpool(gw.prepare, openai_body)
     kind = "chat" if isinstance(openai_body, ChatCompletionRequest) else "text"
-    return await gw.serve(request, caller, prepared, kind, streaming.WorkersAIShape())
+    reject = bool(body.options and body.options.rejectIfBusy)
+    return await gw.serve(request, caller, prepared, kind, streaming.WorkersAIShape(), reject_if_busy=reject)
