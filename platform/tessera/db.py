@@ -11,7 +11,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import tessera
 
-MIGRATIONS_DIR = Path(tessera.__file__).resolve().parents[2] / "migrations"
+# The Alembic environment and versions: package data (a symlink to the checkout's migrations/ in a checkout,
+# a copy in a wheel). No alembic.ini is needed at run time: alembic_config() builds the config in code.
+MIGRATIONS_DIR = (tessera.PACKAGE_DATA / "_migrations").resolve()
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -68,13 +70,13 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 def alembic_config(url: str | URL | None = None):
-    """An Alembic config for ``migrations/`` that targets ``url`` (env.py reads it from the attributes;
-    without one, env.py falls back to the settings' database)."""
+    """An Alembic config for the packaged ``migrations/`` that targets ``url``, built in code (no
+    alembic.ini; env.py reads the URL from the attributes, without one it falls back to the settings')."""
     from alembic.config import Config
 
     if not (MIGRATIONS_DIR / "env.py").is_file():
         raise FileNotFoundError(
-            f"Alembic migrations not found at {MIGRATIONS_DIR}; run Tessera from a source checkout"
+            f"Alembic migrations not found at {MIGRATIONS_DIR}: the tessera package is incomplete; reinstall it"
         )
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
