@@ -12,9 +12,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from billing import BillingConsumer
 from gpu_workers.protocol import connect_redis, make_celery
 from tessera import db
-from tessera.api import admin, errors, health, inference, workers_ai
+from tessera.api import admin, errors, health, inference, usage, workers_ai
 from tessera.api.catalog import Catalog
 from tessera.auth import KeyVersion
 from tessera.quota_config import QuotaLookup
@@ -44,6 +45,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         maxlen=settings.records_stream_maxlen,
         claim_idle_s=settings.records_claim_idle_s,
     )
+    billing_consumer = BillingConsumer(  # its own consumer group on the same stream: charges the ledger
+        sync_redis,
+        sessions,
+        settings.records_stream,
+        maxlen=settings.records_stream_maxlen,
+        claim_idle_s=settings.records_claim_idle_s,
+    )
     quotas = Quotas(redis)
     gateway = inference.Gateway(
         settings, Catalog(sessions), redis, celery, recorder, quotas, QuotaLookup(sessions)
@@ -52,9 +60,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         writer.start()
+        billing_consumer.start()
         yield
         await recorder.close()
         await run_in_threadpool(writer.stop)
+        await run_in_threadpool(billing_consumer.stop)
         await redis.aclose()
         sync_redis.close()
         celery.close()
@@ -66,9 +76,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.key_version = KeyVersion(sync_redis)
     app.state.gateway = gateway
     app.state.records_writer = writer
+    app.state.billing_consumer = billing_consumer
     errors.install(app, settings.max_body_bytes)
     app.include_router(inference.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(workers_ai.router)
+    app.include_router(usage.router)
     return app

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tessera.cli import admin, bench, kv, model, quant, quotas, serve
+from tessera.cli import admin, bench, billing, kv, model, quant, quotas, serve
 from tessera.cli import eval as eval_
 from tessera.cli.common import run_command
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         kv,
         admin,
         quotas,
+        billing,
         serve,
         eval_,
         quant,

@@ -1,0 +1,139 @@
+"""The usage ledger: one priced event per request id, and its rollups, written in one transaction.
+
+``record_events`` inserts with ``INSERT ... ON CONFLICT (request_id) DO NOTHING RETURNING request_id`` (SQLite
+and PostgreSQL alike), then adds only the rows it really inserted to ``billing_rollups`` with
+``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``, and commits once: an event seen again (duplicate
+emission, redelivery, a consumer restarted after the commit but before its XACK) changes nothing, and the
+ledger and the rollups can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy import Table
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from billing.prices import PriceBook
+from billing.schema import NO_KEY, LedgerEvent, Rollup
+
+ROLLUP_SUMS = ("requests", "cached_input_tokens", "fresh_input_tokens", "output_tokens", "cost")
+
+
+class UsageEvent(BaseModel):
+    """A request's usage as the outcome stream carries it (tessera's ``RequestOutcome`` JSON; extra fields
+    ignored). ``prompt_tokens`` includes ``cached_tokens``; fresh input is the difference."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    request_id: str = Field(min_length=1, max_length=64)
+    tenant_id: str = Field(min_length=1, max_length=32)
+    key_id: str | None = Field(None, max_length=32)
+    deployment: str = Field(max_length=200)
+    model: str = Field(max_length=200)
+    status: Literal["completed", "failed", "cancelled"]
+    error_code: str | None = Field(None, max_length=64)
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(0, ge=0)
+    output_tokens: int = Field(ge=0)
+    started_at: AwareDatetime
+    first_token_at: AwareDatetime | None = None
+    finished_at: AwareDatetime
+
+    @model_validator(mode="after")
+    def _consistent(self) -> UsageEvent:
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})"
+            )
+        return self
+
+    @property
+    def fresh_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def price_row(event: UsageEvent, book: PriceBook) -> dict[str, Any]:
+    """The ledger row for ``event``, priced from ``book`` (see billing.prices for the rounding rule)."""
+    price, cached, fresh, output = book.cost(
+        event.model, event.started_at, event.cached_tokens, event.fresh_tokens, event.output_tokens
+    )
+    finished: datetime = event.finished_at
+    return {
+        "request_id": event.request_id,
+        "tenant_id": event.tenant_id,
+        "key_id": event.key_id,
+        "deployment": event.deployment,
+        "model": event.model,
+        "status": event.status,
+        "error_code": event.error_code,
+        "cached_input_tokens": event.cached_tokens,
+        "fresh_input_tokens": event.fresh_tokens,
+        "output_tokens": event.output_tokens,
+        "price_id": price.id if price else None,
+        "cached_input_cost": cached,
+        "fresh_input_cost": fresh,
+        "output_cost": output,
+        "cost": cached + fresh + output,
+        "ttft_s": (event.first_token_at - event.started_at).total_seconds() if event.first_token_at else None,
+        "duration_s": (finished - event.started_at).total_seconds(),
+        "started_at": event.started_at,
+        "finished_at": finished,
+        "day": finished.astimezone(timezone.utc).date(),
+    }
+
+
+def _insert(session: Session, table: Table):
+    return (postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert)(table)
+
+
+def record_events(session: Session, events: Iterable[UsageEvent]) -> list[dict[str, Any]]:
+    """Price and store ``events``, update the rollups, commit; returns the rows newly inserted (events already
+    in the ledger, or repeated within ``events``, are left out and change nothing)."""
+    rows: dict[str, dict[str, Any]] = {}
+    book = PriceBook(session)
+    for event in events:
+        rows.setdefault(event.request_id, price_row(event, book))
+    if not rows:
+        return []
+    try:
+        table = LedgerEvent.__table__
+        stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["request_id"])
+        # In request-id order: concurrent writers of overlapping batches lock rows in one order (no deadlock).
+        ordered = [rows[request_id] for request_id in sorted(rows)]
+        inserted = set(session.scalars(stmt.returning(table.c.request_id), ordered))
+        new = [row for request_id, row in rows.items() if request_id in inserted]
+        _add_to_rollups(session, new)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return new
+
+
+def _add_to_rollups(session: Session, rows: list[dict[str, Any]]) -> None:
+    sums: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ROLLUP_SUMS, 0))
+    for row in rows:
+        total = sums[(row["tenant_id"], row["day"], row["model"], row["key_id"] or NO_KEY)]
+        total["requests"] += 1
+        for name in ROLLUP_SUMS[1:]:
+            total[name] += row[name]
+    if not sums:
+        return
+    table = Rollup.__table__
+    values = [
+        {"tenant_id": t, "day": d, "model": m, "key_id": k, **total}
+        for (t, d, m, k), total in sorted(sums.items())  # one order everywhere: no deadlocks between writers
+    ]
+    stmt = _insert(session, table)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["tenant_id", "day", "model", "key_id"],
+        set_={name: table.c[name] + stmt.excluded[name] for name in ROLLUP_SUMS},
+    )
+    for value in values:  # executemany of an upsert: one statement per rollup row
+        session.execute(stmt, value)

@@ -1,0 +1,127 @@
+"""Billing's tables, on billing's own metadata (``billing`` imports neither plane, so not tessera's Base).
+
+Alembic creates them (``migrations/versions/0004_billing.py``; ``migrations/env.py`` targets both metadatas).
+No foreign keys to tessera's tables: money records outlive a deleted tenant or key.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timezone
+
+from sqlalchemy import (
+    BigInteger,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+NO_KEY = ""  # key_id of usage without an API key, in rollups (a primary-key column cannot be NULL)
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every database (SQLite stores naive UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware one")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+class BillingBase(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), date: Date()}
+
+
+metadata = BillingBase.metadata
+
+
+class Price(BillingBase):
+    """One version of a model's price: micro-USD per million tokens of each kind, from ``effective_from`` on."""
+
+    __tablename__ = "billing_prices"
+    __table_args__ = (UniqueConstraint("model", "version", name="uq_billing_prices_model_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(200))  # "*": the default for models without a price
+    version: Mapped[int] = mapped_column(Integer)
+    effective_from: Mapped[datetime]
+    fresh_input_per_mtok: Mapped[int] = mapped_column(BigInteger)  # micro-USD per 1e6 tokens
+    cached_input_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    output_per_mtok: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LedgerEvent(BillingBase):
+    """One priced usage event per request id: written once, never updated."""
+
+    __tablename__ = "billing_ledger"
+    __table_args__ = (Index("ix_billing_ledger_tenant_finished", "tenant_id", "finished_at", "request_id"),)
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    deployment: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16))
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    fresh_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    price_id: Mapped[int | None] = mapped_column(ForeignKey("billing_prices.id"))  # None: no price applied
+    cached_input_cost: Mapped[int] = mapped_column(BigInteger)  # micro-USD
+    fresh_input_cost: Mapped[int] = mapped_column(BigInteger)
+    output_cost: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[int] = mapped_column(BigInteger)
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    duration_s: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[datetime]
+    finished_at: Mapped[datetime]
+    day: Mapped[date]  # finished_at's UTC day: the rollup it counts in
+    recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Rollup(BillingBase):
+    """Sums of the ledger per (tenant, UTC day, model, key), kept in the ledger insert's transaction."""
+
+    __tablename__ = "billing_rollups"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    day: Mapped[date] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)  # NO_KEY for keyless usage
+    requests: Mapped[int] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    fresh_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[int] = mapped_column(BigInteger)  # micro-USD

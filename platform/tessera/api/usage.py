@@ -1,0 +1,206 @@
+"""Usage for the caller's tenant: ``GET /v1/usage`` (from billing's rollups) and ``GET /v1/usage/requests``
+(raw ledger events). Every list is cursor-paginated; no route shows another tenant's data (the tenant is the
+caller key's, never a parameter). Money is integer micro-USD (``cost``) plus the same as an exact decimal
+string of USD (``cost_usd``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import date, datetime, timedelta, timezone
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+import billing
+from tessera.api.admin_schemas import ErrorResponse
+from tessera.api.deps import CurrentCaller, current_caller
+from tessera.errors import APIError
+
+MAX_DAYS = 366
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "invalid request: a bad date range or cursor"),
+        (401, "no valid API key"),
+        (403, "the key lacks the inference scope"),
+        (422, "a parameter has the wrong type"),
+    )
+}
+router = APIRouter(tags=["usage"], dependencies=[Depends(current_caller)], responses=_ERRORS)
+
+
+def usd(micro: int) -> str:
+    """Micro-USD as an exact decimal string of USD (no floats)."""
+    sign = "-" if micro < 0 else ""
+    whole, frac = divmod(abs(micro), 1_000_000)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+class UsageRow(BaseModel):
+    day: date | None = Field(None, description="the UTC day (group_by=day)")
+    model: str | None = Field(None, description="the model (group_by=model)")
+    key_id: str | None = Field(None, description="the API key's id (group_by=key; null: usage without a key)")
+    requests: int
+    cached_input_tokens: int = Field(description="prompt tokens served from the prefix cache")
+    fresh_input_tokens: int = Field(description="prompt tokens computed anew")
+    input_tokens: int = Field(description="cached + fresh")
+    output_tokens: int
+    cost: int = Field(description="micro-USD")
+    cost_usd: str = Field(description="the same cost in USD, as an exact decimal string")
+
+
+class UsagePage(BaseModel):
+    object: Literal["list"] = "list"
+    group_by: Literal["day", "model", "key"]
+    start: date
+    end: date
+    data: list[UsageRow]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
+
+
+class UsageEventOut(BaseModel):
+    request_id: str
+    key_id: str | None
+    deployment: str
+    model: str
+    status: str
+    error_code: str | None
+    cached_input_tokens: int
+    fresh_input_tokens: int
+    output_tokens: int
+    cached_input_cost: int = Field(description="micro-USD")
+    fresh_input_cost: int = Field(description="micro-USD")
+    output_cost: int = Field(description="micro-USD")
+    cost: int = Field(description="micro-USD")
+    cost_usd: str
+    price_id: int | None = Field(description="the price-book version this event was priced with")
+    ttft_s: float | None
+    duration_s: float
+    started_at: datetime
+    finished_at: datetime
+
+
+class UsageEventPage(BaseModel):
+    object: Literal["list"] = "list"
+    start: date
+    end: date
+    data: list[UsageEventOut]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
+
+
+def _range(start: date | None, end: date | None) -> tuple[date, date]:
+    today = datetime.now(timezone.utc).date()
+    end = end or today
+    start = start or end.replace(day=1)
+    if start > end:
+        raise APIError(400, f"start ({start}) is after end ({end})", "invalid_request", param="start")
+    if end - start > timedelta(days=MAX_DAYS):
+        raise APIError(400, f"a range spans at most {MAX_DAYS} days", "invalid_request", param="start")
+    return start, end
+
+
+Start = Annotated[date | None, Query(description="first UTC day, included (default: the 1st of end's month)")]
+End = Annotated[date | None, Query(description="last UTC day, included (default: today)")]
+Limit = Annotated[int, Query(ge=1, le=billing.rollups.MAX_LIMIT)]
+
+
+@router.get(
+    "/v1/usage",
+    response_model=UsagePage,
+    responses={200: {"content": {"text/csv": {}}, "description": "the page (JSON, or CSV with format=csv)"}},
+)
+def get_usage(
+    request: Request,
+    caller: CurrentCaller,
+    start: Start = None,
+    end: End = None,
+    group_by: Literal["day", "model", "key"] = "day",
+    model: str | None = None,
+    key: Annotated[str | None, Query(description="only this API key's usage (its id)")] = None,
+    cursor: str | None = None,
+    limit: Limit = 100,
+    format: Literal["json", "csv"] = "json",
+) -> Any:
+    """The caller's tenant's usage per day, model or key, summed from the rollups."""
+    start, end = _range(start, end)
+    with request.app.state.sessions() as session:
+        try:
+            lines, next_cursor = billing.usage_report(
+                session,
+                caller.tenant_id,
+                start=start,
+                end=end,
+                group_by=group_by,
+                model=model,
+                key_id=key,
+                cursor=cursor,
+                limit=limit,
+            )
+        except billing.BadCursor as exc:
+            raise APIError(400, str(exc), "invalid_request", param="cursor") from None
+    field = {"day": "day", "model": "model", "key": "key_id"}[group_by]
+    rows = [
+        UsageRow(
+            **{field: line.group},
+            requests=line.requests,
+            cached_input_tokens=line.cached_input_tokens,
+            fresh_input_tokens=line.fresh_input_tokens,
+            input_tokens=line.cached_input_tokens + line.fresh_input_tokens,
+            output_tokens=line.output_tokens,
+            cost=line.cost,
+            cost_usd=usd(line.cost),
+        )
+        for line in lines
+    ]
+    if format == "csv":
+        out = io.StringIO()
+        columns = [field, *(n for n in UsageRow.model_fields if n not in ("day", "model", "key_id"))]
+        writer = csv.writer(out)
+        writer.writerow(columns)
+        for row in rows:
+            values = row.model_dump(mode="json")
+            writer.writerow(["" if values[c] is None else values[c] for c in columns])
+        headers = {"x-next-cursor": next_cursor} if next_cursor else {}
+        return Response(out.getvalue(), media_type="text/csv", headers=headers)
+    return UsagePage(group_by=group_by, start=start, end=end, data=rows, next_cursor=next_cursor)
+
+
+@router.get("/v1/usage/requests", response_model=UsageEventPage)
+def get_usage_requests(
+    request: Request,
+    caller: CurrentCaller,
+    start: Start = None,
+    end: End = None,
+    model: str | None = None,
+    key: Annotated[str | None, Query(description="only this API key's requests (its id)")] = None,
+    cursor: str | None = None,
+    limit: Limit = 100,
+) -> UsageEventPage:
+    """The caller's tenant's ledger events (one per request), oldest first."""
+    start, end = _range(start, end)
+    with request.app.state.sessions() as session:
+        try:
+            events, next_cursor = billing.list_events(
+                session,
+                caller.tenant_id,
+                start=start,
+                end=end,
+                model=model,
+                key_id=key,
+                cursor=cursor,
+                limit=limit,
+            )
+        except billing.BadCursor as exc:
+            raise APIError(400, str(exc), "invalid_request", param="cursor") from None
+    data = [
+        UsageEventOut(
+            **{name: getattr(e, name) for name in UsageEventOut.model_fields if name != "cost_usd"},
+            cost_usd=usd(e.cost),
+        )
+        for e in events
+    ]
+    return UsageEventPage(start=start, end=end, data=data, next_cursor=next_cursor)
