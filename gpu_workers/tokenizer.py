@@ -69,6 +69,11 @@ class Tokenizer:
         return _environment().from_string(self.chat_template)
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` object itself, for its Rust-side helpers (incremental decoding)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -115,3 +115,26 @@ def test_prompt_context_is_not_emitted(tokenizer):
 def test_empty_stop_string_is_rejected(tokenizer):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tokenizer, stop=[""])
+
+
+def test_a_character_split_between_prompt_and_output_appears_once_in_the_output(tokenizer):
+    ids = tokenizer.encode("the 🙂 end").ids
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids[:cut])
+    chunks = stream(detok, ids[cut:])
+    # Neither the prompt's text nor a lost character: the emoji its last bytes complete, then the rest.
+    assert "".join(chunks) == detok.text == "🙂 end"
+
+
+def test_a_generation_cut_inside_a_character_ends_as_a_full_decode_does(tokenizer):
+    ids = tokenizer.encode("ok 🙂").ids[:-1]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.push([i]) for i in ids) == "ok "
+    assert detok.finish() == "\ufffd" and detok.text == tokenizer.decode(ids)
+
+
+def test_accepts_the_engines_tokenizer_wrapper(tokenizer):
+    from gpu_workers.tokenizer import Tokenizer
+
+    ids = tokenizer.encode(TEXT).ids
+    assert "".join(stream(IncrementalDetokenizer(Tokenizer(tokenizer)), ids)) == TEXT

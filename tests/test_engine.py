@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers.engine import detokenizer
+from gpu_workers.engine import engine as engine_module
 from gpu_workers.engine.failures import MAX_CONSECUTIVE_FAILED_STEPS
 from gpu_workers.kv.transfer import KVBlock
 from tests.model_faults import DEVICE_ERROR, FaultyModel, device_error, wait_for
@@ -318,23 +320,18 @@ def test_a_kv_block_the_engine_cannot_import_fails_only_its_request(tiny_llama_d
     assert engine.stats()["kv_pages_used"] == 0
 
 
-class FailingTokenizer:
-    """The engine's tokenizer, except that decoding one token id raises, as a broken vocabulary entry would."""
+class FailingDetokenizer(detokenizer.IncrementalDetokenizer):
+    """The engine's detokeniser, except that one token id raises, as a broken vocabulary entry would."""
 
-    def __init__(self, tokenizer, poison: int):
-        self.tokenizer = tokenizer
-        self.poison = poison
+    poison: int
 
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def decode(self, ids, skip_special_tokens=True):
-        if self.poison in ids:
+    def push(self, token_ids):
+        if self.poison in token_ids:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, f"token {self.poison} maps to invalid bytes")
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return super().push(token_ids)
 
 
-def test_an_exception_anywhere_in_a_step_fails_only_the_requests_in_it(demo_model_dir, caplog):
+def test_an_exception_anywhere_in_a_step_fails_only_the_requests_in_it(demo_model_dir, caplog, monkeypatch):
     healthy = Engine.from_pretrained(
         demo_model_dir, EngineConfig(dtype="float32", page_size=4, max_num_seqs=2)
     )
@@ -344,7 +341,9 @@ def test_an_exception_anywhere_in_a_step_fails_only_the_requests_in_it(demo_mode
     poison = alone["a"].token_ids[2]  # "a" streams two tokens, then its third fails the step
     for k in "bcd":
         assert poison not in alone[k].token_ids + healthy.tokenizer.encode(texts[k])
-    engine = Engine(healthy.model, FailingTokenizer(healthy.tokenizer, poison), healthy.config)
+    monkeypatch.setattr(FailingDetokenizer, "poison", poison, raising=False)
+    monkeypatch.setattr(engine_module, "IncrementalDetokenizer", FailingDetokenizer)
+    engine = Engine(healthy.model, healthy.tokenizer, healthy.config)
     # Two slots: "a" and "b" share steps; "c" waits for a slot, so it is in no step that fails.
     requests = [(k, texts[k], {"params": params}) for k in "abc"]
     events = run_in_background(engine, requests)

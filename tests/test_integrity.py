@@ -8,7 +8,7 @@ import pytest
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.kv.integrity import IntegrityTracker, NullIntegrityTracker
-from gpu_workers.tools.faults import reassign_live_page
+from gpu_workers.tools.faults import corrupt_prefix_entry, free_live_page
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # tiny_llama: layers * (K, V) * kv_heads * head_dim * fp32
@@ -43,7 +43,7 @@ def run(engine, batch, fault_at=None, fault_request=None):
     steps = 0
     while engine.has_unfinished():
         if steps == fault_at:
-            reassign_live_page(engine, fault_request, index=0)
+            free_live_page(engine, fault_request, index=0)
         engine.step()
         steps += 1
     return outputs, finish
@@ -65,22 +65,106 @@ def test_stale_mapping_aborts_exactly_the_affected_request(tiny_llama_dir, caplo
     assert "expected generation" in caplog.text and "found" in caplog.text
 
 
-def test_with_checking_off_the_tracker_is_a_no_op(tiny_llama_dir):
+def test_with_checking_off_a_corrupted_prefix_entry_serves_another_tenants_kv(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, integrity_check=False)
     assert isinstance(engine.pages.integrity, NullIntegrityTracker)
-    _, finish = run(engine, prompts(8), fault_at=3, fault_request="r5")
-    # Without the check nothing notices the stale page: the request reads it and finishes normally.
-    assert finish["r5"].finish_reason == "length"
-    assert engine.stats()["integrity_mismatches"] == 0
+    ours, theirs = prompts(2, seed=4)
+    ours, theirs = ours + [7] * 8, theirs + [9] * 8  # at least two full pages each
+    clean = engine.generate([ours], GREEDY, tenant="acme")[0]
+    rid = engine.add_request(theirs, GREEDY, tenant="globex")
+    engine.step()
+    their_page = engine._requests[rid].table.pages[0]
+    while engine.has_unfinished():
+        engine.step()
+    corrupt_prefix_entry(engine, "acme", ours, 0, to_page=their_page)
+    served = engine.generate([ours], GREEDY, tenant="acme")[0]
+    # Without the check nothing notices: the request reads globex's page as its own first page.
+    assert served.cached_tokens > 0 and served.token_ids != clean.token_ids
+    assert engine.stats()["integrity_mismatches"] == engine.stats()["prefix_cache_stale_entries"] == 0
+
+
+def test_with_checking_on_the_same_corrupted_entry_is_dropped_and_recomputed(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    ours, theirs = prompts(2, seed=4)
+    ours, theirs = ours + [7] * 8, theirs + [9] * 8
+    clean = engine.generate([ours], GREEDY, tenant="acme")[0]
+    rid = engine.add_request(theirs, GREEDY, tenant="globex")
+    engine.step()
+    their_page = engine._requests[rid].table.pages[0]
+    while engine.has_unfinished():
+        engine.step()
+    corrupt_prefix_entry(engine, "acme", ours, 0, to_page=their_page)
+    served = engine.generate([ours], GREEDY, tenant="acme")[0]
+    assert served.cached_tokens == 0 and served.token_ids == clean.token_ids
+    assert engine.stats()["prefix_cache_stale_entries"] == 1
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_a_caught_victim_never_releases_the_page_its_new_owner_holds(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    # 10 prompt tokens in pages of 4: the victim's next token fits its last page, so the next allocation
+    # after the fault is the owner's.
+    batch = [prompts(1, seed=6)[0][:10], prompts(1, seed=7)[0]]
+    clean, _ = run(make_engine(tiny_llama_dir), batch)
+    outputs, finish = {}, {}
+
+    def record(event):
+        outputs.setdefault(event.request_id, []).extend(event.token_ids)
+        if event.finish_reason:
+            finish[event.request_id] = event
+
+    engine.add_request(batch[0], GREEDY, request_id="victim", on_event=record)
+    engine.step()
+    injection = free_live_page(engine, "victim", index=-1)  # not full, so not parked in the prefix cache
+    assert injection.victims == ("victim",)
+    assert engine.pages.pool.refcount[injection.page] == 0  # released through the pool, not just retagged
+    # The next request gets the freed page from the pool while the victim's table still maps it.
+    engine.add_request(batch[1], GREEDY, request_id="owner", on_event=record)
+    while "owner" not in engine._requests or injection.page not in engine._requests["owner"].table.pages:
+        engine.step()
+        assert "owner" not in finish
+    while engine.has_unfinished():
+        engine.step()
+    assert finish["victim"].error.code == "kv_integrity_violation"
+    assert outputs["victim"] == clean["r0"][: len(outputs["victim"])]  # nothing read after the fault
+    assert finish["owner"].finish_reason == "length" and outputs["owner"] == clean["r1"]
+    assert engine.stats()["integrity_mismatches"] == 1
+    assert all(count == 0 for count in engine.pages.pool.refcount)
+
+
+def test_a_table_entry_pointed_at_another_page_is_caught_even_when_both_were_allocated_once(tiny_llama_dir):
+    # Per-page counters would give both pages generation 1 here; a tag names one allocation, so they differ.
+    batch = prompts(2, seed=8)
+    clean, _ = run(make_engine(tiny_llama_dir), batch)
+    engine = make_engine(tiny_llama_dir)
+    outputs, finish = {}, {}
+
+    def record(event):
+        outputs.setdefault(event.request_id, []).extend(event.token_ids)
+        if event.finish_reason:
+            finish[event.request_id] = event
+
+    for i, prompt in enumerate(batch):
+        engine.add_request(prompt, GREEDY, request_id=f"r{i}", on_event=record)
+    engine.step()
+    victim, other = engine._requests["r0"], engine._requests["r1"]
+    victim.table.pages[0] = other.table.pages[-1]  # the bug: a table write with the wrong page id
+    while engine.has_unfinished():
+        engine.step()
+    assert finish["r0"].error.code == "kv_integrity_violation"
+    assert finish["r1"].finish_reason == "length" and outputs["r1"] == clean["r1"]
+    # The page the entry lost is leaked, not freed: nothing can tell whose reference it was.
+    assert engine.stats()["kv_pages_used"] == 1
 
 
 def test_batched_verify_reports_page_expected_and_found():
     tracker = IntegrityTracker(8)
     gens = tracker.bump([1, 2, 3])
     assert tracker.verify([[1, 2], [3]], [gens[:2], gens[2:]]) == []
+    assert gens == [1, 2, 3]  # one counter for the pool: every allocation gets a value no page had
     tracker.bump([3])
     [m] = tracker.verify([[1, 2], [3]], [gens[:2], gens[2:]])
-    assert (m.row, m.page, m.expected, m.found) == (1, 3, 1, 2)
+    assert (m.row, m.page, m.expected, m.found) == (1, 3, 3, 4)
 
 
 def test_long_random_run_with_preemption_sharing_and_aborts_has_no_false_mismatch(tiny_llama_dir):

@@ -86,9 +86,9 @@ def test_eviction_under_pressure_never_takes_a_page_in_use(tiny_llama_dir):
 def test_hash_collision_is_caught_by_comparing_token_ids(monkeypatch):
     monkeypatch.setattr(pc, "page_hash", lambda salt, parent, tokens: b"same")
     cache = PrefixCache()
-    cache.insert(0, pc.page_hash(b"s", b"", [1, 2]), [1, 2])
-    assert cache.match(b"s", [1, 2, 9], 2, 1) == [(0, b"same")]
-    assert cache.match(b"s", [3, 4, 9], 2, 1) == []
+    cache.insert(0, pc.page_hash(b"s", b"", [1, 2]), [1, 2], None)
+    assert cache.match(b"s", [1, 2, 9], 2, 1, lambda page: None) == [(0, b"same", None)]
+    assert cache.match(b"s", [3, 4, 9], 2, 1, lambda page: None) == []
 
 
 def test_tenant_salts_are_stable_per_tenant_and_private_without_one():
@@ -104,3 +104,30 @@ def test_disabled_prefix_cache_reports_zero(tiny_llama_dir):
     p = prompt(5 * PAGE + 1)
     engine.generate([p], GREEDY, tenant="acme")
     assert engine.generate([p], GREEDY, tenant="acme")[0].cached_tokens == 0
+
+
+def test_stale_entry_for_a_reallocated_page_is_dropped_counted_and_never_served(tiny_llama_dir):
+    # The allocator bug the tags exist for: the pool takes back a parked prefix page while the cache still
+    # lists it, and hands it to another tenant's request, which writes its own KV there.
+    engine = make_engine(tiny_llama_dir, kv_budget_bytes=32 * TOKEN_BYTES)
+    p = prompt(5 * PAGE + 1, seed=11)
+    rid = engine.add_request(p, GREEDY, tenant="acme")
+    engine.step()
+    page = engine._requests[rid].table.pages[0]
+    while engine.has_unfinished():
+        engine.step()
+    first = engine.generate([p], GREEDY, tenant="acme")[0]
+    del engine.pages.prefix_cache._evictable[page]
+    engine.pages.pool.free(page)
+    before = engine.pages.integrity.current([page])
+    other = 0
+    while engine.pages.integrity.current([page]) == before:  # until the pool hands the page out again
+        engine.generate([prompt(2 * PAGE, seed=100 + other)], GREEDY, tenant="globex")
+        other += 1
+    second = engine.generate([p], GREEDY, tenant="acme")[0]
+    assert second.cached_tokens == 0  # the chain breaks at its first page: nothing after it is served
+    assert second.token_ids == first.token_ids
+    assert engine.stats()["prefix_cache_stale_entries"] == 1
+    third = engine.generate([p], GREEDY, tenant="acme")[0]  # the recomputed pages were published again
+    assert third.cached_tokens == 5 * PAGE and third.token_ids == first.token_ids
+    assert engine.stats()["prefix_cache_stale_entries"] == 1

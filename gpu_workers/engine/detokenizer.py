@@ -6,7 +6,11 @@ A chunk never ends inside a UTF-8 character, and never contains text that could 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from gpu_workers.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output: tokenizers that strip a leading space (SentencePiece/Metaspace)
@@ -14,37 +18,44 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
 
 
-class Decoder(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
 class IncrementalDetokenizer:
     """Feed generated ids with ``push``; each call returns only the text that became final.
 
-    Uses a prefix/read-offset window: the text of ``ids[prefix:read]`` was already emitted, so the new text is
-    ``decode(ids[prefix:]) - decode(ids[prefix:read])``, taken only once it no longer ends in U+FFFD (a
-    character whose bytes have not all arrived yet).
+    ``tokenizers``' DecodeStream turns ids into text, holding back the bytes of a character until all of
+    them arrived; this class holds back text that may still begin a stop string, and cuts at the first one.
     """
 
     def __init__(
         self,
-        tokenizer: Decoder,
+        tokenizer: Tokenizer | tokenizers.Tokenizer,
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
     ):
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
-        self._tokenizer = tokenizer
+        self._tokenizer = tokenizer.backend if isinstance(tokenizer, Tokenizer) else tokenizer
         self._stop = list(stop)
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._start_stream(list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]))
         self._pending = ""  # decoded, but held back because it may begin a stop string
         self._emitted: list[str] = []
         self.stopped = False
         self.stop_string: str | None = None
+
+    def _start_stream(self, context: list[int]) -> None:
+        # A context that ends inside a character makes DecodeStream emit the whole context as output. So
+        # the stream starts at the context's last character boundary and is fed the rest silently: the
+        # character appears once, in the output, when the output's ids complete it.
+        boundary = len(context)
+        while boundary and self._decode(context[:boundary]).endswith(REPLACEMENT_CHAR):
+            boundary -= 1
+        self._prefix = context[:boundary]  # what the stream's text is measured from
+        self._stream = DecodeStream(ids=self._prefix, skip_special_tokens=self._skip_special_tokens)
+        self._ids: list[int] = context[boundary:]  # ids fed to the stream after the prefix
+        if self._ids:
+            self._stream.step(self._tokenizer, self._ids)  # text ending in U+FFFD: the stream holds it
+        self._decoded = 0  # characters the stream has produced
 
     @property
     def text(self) -> str:
@@ -53,26 +64,23 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated ids; return the newly safe text ("" while a character or stop string is incomplete)."""
-        if self.stopped:
+        if self.stopped or not token_ids:
             return ""
         self._ids.extend(token_ids)
-        self._pending += self._decode_new(final=False)
+        chunk = self._stream.step(self._tokenizer, list(token_ids)) or ""
+        self._decoded += len(chunk)
+        self._pending += chunk
         return self._release(final=False)
 
     def finish(self) -> str:
-        """Flush everything held back: the request ended, so partial stop strings and characters are text."""
+        """Flush everything held back: the request ended, so partial stop strings and characters are text
+        (a character whose bytes never all arrived becomes U+FFFD, as in a full decode)."""
         if self.stopped:
             return ""
-        self._pending += self._decode_new(final=True)
+        # The stream keeps an incomplete character's bytes to itself: take them from one full decode.
+        full = self._decode(self._prefix + self._ids)
+        self._pending += full[len(self._decode(self._prefix)) + self._decoded :]
         return self._release(final=True)
-
-    def _decode_new(self, final: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or (full_text.endswith(REPLACEMENT_CHAR) and not final):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full_text[len(prefix_text) :]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

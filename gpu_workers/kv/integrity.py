@@ -1,12 +1,18 @@
 """Integrity tags: a generation counter per physical page, checked for a whole batch in one compare.
 
-Every (re)allocation of a page bumps its generation. A sequence records the generation it expects for
-each page-table entry; before a step reads the cache, the expected generations of every sequence in the
-batch are compared against the current ones in a single tensor operation. A mismatch means the sequence
-would read a page that now belongs to someone else, so only that sequence is aborted.
+Every (re)allocation of a page gives it a new generation. A sequence records the generation it expects
+for each page-table entry, and a prefix-cache entry the generation of the page it published; before a
+step reads the cache, the expected generations of every sequence in the batch are compared against the
+current ones in a single tensor operation. A mismatch means the sequence would read a page that now
+belongs to someone else, so only that sequence is aborted.
 
-What it catches: page-table entries that went stale because the page was reallocated. What it does not:
-numerical errors, or a page whose contents were corrupted without a reallocation.
+Generations come from one counter for the whole pool, not one per page: a value names one allocation of
+one page, so an entry whose page id was corrupted into another page's id never matches by coincidence
+(two pages each reallocated twice would share generation 2 under per-page counters).
+
+What it catches: page-table and prefix-cache entries that went stale because the page was reallocated or
+the entry's page id changed. What it does not: numerical errors, or a page whose contents were corrupted
+without a reallocation. ARCHITECTURE.md ("Integrity coverage") lists the operations that are checked.
 """
 
 from __future__ import annotations
@@ -33,19 +39,27 @@ class IntegrityTracker:
     def __init__(self, num_pages: int, device: torch.device | str = "cpu"):
         self.generation = torch.zeros(num_pages, dtype=torch.int64, device=device)
         self._host = [0] * num_pages  # mirror of ``generation`` so recording a tag costs no device sync
+        self._last = 0  # the newest generation handed out; 0 means "never allocated"
         self.mismatches = 0
 
     def bump(self, pages: list[int]) -> list[int]:
         """Mark pages as reallocated; return their new generations (what their new owner expects)."""
-        for page in pages:
-            self._host[page] += 1
-        if pages:
-            index = torch.tensor(pages, dtype=torch.long, device=self.generation.device)
-            self.generation[index] += 1
-        return [self._host[page] for page in pages]
+        fresh = list(range(self._last + 1, self._last + 1 + len(pages)))
+        if not fresh:
+            return []
+        self._last = fresh[-1]
+        for page, generation in zip(pages, fresh, strict=True):
+            self._host[page] = generation
+        device = self.generation.device
+        index = torch.tensor(pages, dtype=torch.long, device=device)
+        self.generation[index] = torch.tensor(fresh, dtype=torch.int64, device=device)
+        return fresh
 
     def current(self, pages: list[int]) -> list[int]:
         return [self._host[page] for page in pages]
+
+    def generation_of(self, page: int) -> int | None:
+        return self._host[page]
 
     def verify(self, tables: list[list[int]], expected: list[list[int]]) -> list[Mismatch]:
         """Compare every (page, expected generation) of a batch at once; return the entries that differ."""
@@ -80,6 +94,9 @@ class NullIntegrityTracker:
 
     def current(self, pages: list[int]) -> list[int]:
         return []
+
+    def generation_of(self, page: int) -> int | None:
+        return None
 
     def verify(self, tables: list[list[int]], expected: list[list[int]]) -> list[Mismatch]:
         return []

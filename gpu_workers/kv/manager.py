@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_workers.kv.integrity import IntegrityTracker, NullIntegrityTracker
 from gpu_workers.kv.pool import OutOfPages, PagePool
 from gpu_workers.kv.prefix_cache import PrefixCache, page_hash
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,17 +85,22 @@ class PageManager:
         if self.prefix_cache is None or table.pages:
             return 0
         hits = self.prefix_cache.match(
-            table.salt, tokens, self.page_size, (len(tokens) - 1) // self.page_size
+            table.salt,
+            tokens,
+            self.page_size,
+            (len(tokens) - 1) // self.page_size,
+            self.integrity.generation_of,
         )
-        revived = sum(self.prefix_cache.is_evictable(page) for page, _ in hits)
+        revived = sum(self.prefix_cache.is_evictable(page) for page, _, _ in hits)
         if self.pages_needed(num_tokens) - len(hits) > self.num_free - revived:
             return 0
-        for page, h in hits:
+        for page, h, generation in hits:
             self.pool.incref(page)
             self.prefix_cache.touch(page)
             table.pages.append(page)
             table.hashes.append(h)
-        table.generations.extend(self.integrity.current(table.pages))
+            if generation is not None:
+                table.generations.append(generation)
         return len(hits) * self.page_size
 
     def count_query(self, prompt_tokens: int, hit_tokens: int) -> None:
@@ -111,15 +119,40 @@ class PageManager:
         for i in range(len(table.hashes), num_computed // self.page_size):
             chunk = tokens(i * self.page_size, (i + 1) * self.page_size)
             h = page_hash(table.salt, table.hashes[-1] if table.hashes else b"", chunk)
-            self.prefix_cache.insert(table.pages[i], h, chunk)
+            # The generation this table holds the page at, not the live one: if the page was already
+            # taken from the table, the entry is born stale and a match drops it.
+            generation = table.generations[i] if table.generations else None
+            self.prefix_cache.insert(table.pages[i], h, chunk, generation)
             table.hashes.append(h)
 
     def release(self, table: PageTable) -> None:
-        """Drop the table's references; unreferenced pages become cached-evictable or free."""
+        """Drop the table's references; unreferenced pages become cached-evictable or free.
+
+        An entry whose page was reallocated (its generation moved on) is not this table's reference any
+        more: the page belongs to its new owner, so releasing it would free that owner's page.
+        """
+        owned = self._owned(table)
         # Tail pages first, so the LRU evicts the end of a prefix before its beginning.
-        for page in self.pool.decref(table.pages[::-1]):
+        for page in self.pool.decref(owned[::-1]):
             if self.prefix_cache is None or not self.prefix_cache.park(page):
                 self.pool.free(page)
         table.pages.clear()
         table.generations.clear()
         table.hashes.clear()
+
+    def _owned(self, table: PageTable) -> list[int]:
+        if not table.generations:  # checking is off: nothing to tell a stale entry by
+            return table.pages
+        owned = []
+        current = self.integrity.current(table.pages)
+        for page, expected, found in zip(table.pages, table.generations, current, strict=True):
+            if expected == found:
+                owned.append(page)
+            else:
+                log.warning(
+                    "not releasing KV page %d: it was reallocated (expected generation %d, found %d)",
+                    page,
+                    expected,
+                    found,
+                )
+        return owned
