@@ -163,8 +163,18 @@ def test_bad_arguments_exit_non_zero_with_a_message(demo_model_dir, args, code, 
         (["init-model", "{tmp}/m", "--arch", "gpt"], "unknown arch 'gpt'"),
         (["calibrate", "{model}", "--out", "{tmp}/s.json", "--dtype", "int8"], "--dtype must be one of"),
         (["calibrate", "{model}", "--out", "{tmp}/s.json", "--max-tokens", "0"], "--max-tokens"),
+        (["eval", "quality", "--model", "{model}", "--max-files", "0"], "--max-files must be positive"),
+        (["bench", "kernels", "--threads", "0"], "--threads needs a positive integer"),
+        (["bench", "weights", "--model", "{model}", "--formats", "int3"], "--formats takes"),
     ],
-    ids=["init-model-arch", "calibrate-dtype", "calibrate-max-tokens"],
+    ids=[
+        "init-model-arch",
+        "calibrate-dtype",
+        "calibrate-max-tokens",
+        "eval-max-files",
+        "bench-threads",
+        "bench-formats",
+    ],
 )
 def test_bad_arguments_of_other_commands_exit_2(demo_model_dir, tmp_path, args, message):
     result = tessera(*(a.format(tmp=tmp_path, model=demo_model_dir) for a in args))

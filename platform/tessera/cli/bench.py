@@ -279,7 +279,7 @@ def cmd_kernels(args: argparse.Namespace) -> None:
     from tessera.bench.kernels import run_kernels
 
     if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads needs a positive integer, got {args.threads}")
+        raise CliError(f"--threads needs a positive integer, got {args.threads}", exit_code=2)
     run_kernels(
         args.batch,
         args.shape,
@@ -298,8 +298,9 @@ def cmd_weights(args: argparse.Namespace) -> None:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in WEIGHT_FORMATS]
     if unknown or not formats:
-        raise ValueError(
-            f"--formats takes a comma-separated subset of {', '.join(WEIGHT_FORMATS)}, got {args.formats!r}"
+        raise CliError(
+            f"--formats takes a comma-separated subset of {', '.join(WEIGHT_FORMATS)}, got {args.formats!r}",
+            exit_code=2,
         )
     run_weights(
         args.model,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tessera import SHIPPED_MODEL_DIR
+from tessera.cli.common import CliError
 
 DEFAULT_VARIANTS = "kv=fp8_e4m3,weights=int4,weights=fp8"
 TABLE_METRICS = (
@@ -70,7 +71,7 @@ def cmd_eval_quality(args: argparse.Namespace) -> int:
     for name in ("max_files", "max_tokens_per_file", "seeds"):
         value = getattr(args, name)
         if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise CliError(f"--{name.replace('_', '-')} must be positive, got {value}", exit_code=2)
     if not (args.model / "tokenizer.json").exists():
         raise ValueError(f"{args.model} has no tokenizer.json; the evaluation encodes text with it")
     torch.manual_seed(0)

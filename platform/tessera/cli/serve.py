@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from gpu_workers.protocol import POOLS
+from tessera.cli.common import CliError
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -105,7 +106,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
         engine.dispose()
     if (args.pool == "serve") != (spec.mode == "colocated"):
         wanted = "serve" if spec.mode == "colocated" else "prefill or decode"
-        raise ValueError(f"deployment {spec.name!r} is {spec.mode}: run it with --pool {wanted}")
+        raise CliError(f"deployment {spec.name!r} is {spec.mode}: run it with --pool {wanted}", exit_code=2)
 
     from gpu_workers.pools.worker import run_worker  # imports torch: only here, in the worker process
 
