@@ -237,17 +237,36 @@ def make_celery(redis_url: str, visibility_timeout: float | None = None) -> Cele
     return app
 
 
+ASYNC_POOL_SIZE = 256
+ASYNC_POOL_TIMEOUT_S = 10.0
+
+
 def connect_redis(
     redis_url: str, *, asyncio: bool = False, **options: Any
 ) -> redis.Redis | redis.asyncio.Redis:
     """A redis-py client (asyncio's with ``asyncio=True``) for the same URL Celery uses; ``options`` go to
-    the client as they are (``socket_connect_timeout=1``, ``health_check_interval=30``, ...)."""
-    client = redis.asyncio.Redis if asyncio else redis.Redis
+    the client as they are (``socket_connect_timeout=1``, ``health_check_interval=30``, ...).
+
+    The asyncio client (the gateway's: one per process, shared by every request in flight) draws from a
+    blocking pool: redis-py's default pool raises "Too many connections" past 100 concurrent commands,
+    while this one holds up to ``ASYNC_POOL_SIZE`` and makes any more wait (up to ``ASYNC_POOL_TIMEOUT_S``)
+    for a free connection.
+    """
     parts = urlsplit(redis_url)
-    if parts.scheme == "redis+socket":  # kombu's spelling for a unix socket; always database 0
-        return client(unix_socket_path=parts.path, **options)
-    if parts.scheme in ("redis", "rediss", "unix"):
-        return client.from_url(redis_url, **options)
-    raise ValueError(
-        f"unsupported Redis URL {redis_url!r}: use redis://host:port/db or redis+socket:///path/redis.sock"
-    )
+    if parts.scheme not in ("redis+socket", "redis", "rediss", "unix"):
+        raise ValueError(
+            f"unsupported Redis URL {redis_url!r}: use redis://host:port/db or redis+socket:///path/redis.sock"
+        )
+    if asyncio:
+        pool_cls = redis.asyncio.BlockingConnectionPool
+        limits = {"max_connections": ASYNC_POOL_SIZE, "timeout": ASYNC_POOL_TIMEOUT_S, **options}
+        if parts.scheme == "redis+socket":  # kombu's spelling for a unix socket; always database 0
+            pool = pool_cls(
+                connection_class=redis.asyncio.UnixDomainSocketConnection, path=parts.path, **limits
+            )
+        else:
+            pool = pool_cls.from_url(redis_url, **limits)
+        return redis.asyncio.Redis(connection_pool=pool)
+    if parts.scheme == "redis+socket":
+        return redis.Redis(unix_socket_path=parts.path, **options)
+    return redis.Redis.from_url(redis_url, **options)

@@ -132,3 +132,20 @@ def test_connect_redis_passes_client_options_through(url, embedded_redis_url):
     with pytest.raises(redis.TimeoutError):
         client.blpop("tessera:test:never-pushed", timeout=2)
     client.close()
+
+
+def test_the_async_client_serves_more_concurrent_commands_than_its_pool_holds():
+    import asyncio
+
+    from gpu_workers import protocol
+
+    async def go() -> list:
+        client = protocol.connect_redis("redis://127.0.0.1:6379/0", asyncio=True)
+        try:
+            return await asyncio.gather(
+                *(client.blpop(f"tessera:test:none:{i}", timeout=0.2) for i in range(600))
+            )
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(go()) == [None] * 600  # every call waited for a connection instead of raising
