@@ -276,7 +276,8 @@ async def _hang_up_after_first_chunk(base: str, raw: str, body: dict) -> int:
 
 
 async def _give_up_waiting(base: str, raw: str, body: dict) -> str:
-    async with httpx.AsyncClient(base_url=base, timeout=0.5) as client:
+    # Only the wait for the answer is short: connecting may be slow on a loaded machine.
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(0.5, connect=30)) as client:
         try:
             await client.post("/v1/completions", headers=auth(raw), json=body)
         except httpx.ReadTimeout:
