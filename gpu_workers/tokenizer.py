@@ -6,6 +6,7 @@ The gateway uses this to count and encode prompts, so it must stay importable wi
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -110,6 +111,57 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the chat prompt for ``messages``, where a message's text never becomes a control token.
+
+        Encoding the rendered prompt as one string (as Hugging Face does) turns a user's literal ``<s>`` or
+        ``<|im_start|>`` into the special token itself, letting message text forge the template's markup.
+        Prompts whose messages hold no special token's text encode exactly that way; otherwise the messages'
+        text is encoded apart from the template's, with special tokens matched as plain text. A template that
+        rewrites the text it is given (so the two cannot be told apart) makes such a message a
+        ChatTemplateError instead."""
+        text = check_text(self.apply_chat_template(messages, add_generation_prompt))
+        contents = [m.get("content") for m in messages]
+        forged = sorted({s for c in contents if isinstance(c, str) for s in self._special_texts if s in c})
+        if not forged:
+            return self.encode(text, add_special_tokens=False)
+        marked = [
+            {**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        pieces = _MARKS.split(self.apply_chat_template(marked, add_generation_prompt))
+        markup, indices = pieces[0::2], [int(i) for i in pieces[1::2]]
+        rebuilt = markup[0] + "".join(
+            contents[i] + after for i, after in zip(indices, markup[1:], strict=True)
+        )
+        if rebuilt != text:
+            raise ChatTemplateError(
+                f"a message contains {', '.join(map(repr, forged))}, the text of this model's control "
+                "token(s), and its chat template rewrites message text, so it cannot be kept apart from the "
+                "template's own markup; remove or escape it"
+            )
+        ids = self._tokenizer.encode(markup[0], add_special_tokens=False).ids
+        for i, after in zip(indices, markup[1:], strict=True):
+            ids += self._literal.encode(contents[i], add_special_tokens=False).ids
+            ids += self._tokenizer.encode(after, add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def _special_texts(self) -> frozenset[str]:
+        return frozenset(t.content for t in self._tokenizer.get_added_tokens_decoder().values() if t.special)
+
+    @cached_property
+    def _literal(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that reads special tokens' text as plain text."""
+        literal = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+
+# Stand-ins for message text while locating it in a rendered template (Unicode private-use characters).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARKS = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

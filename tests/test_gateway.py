@@ -605,6 +605,14 @@ def test_chat_prompt_is_the_chat_template_encoded_once_with_one_bos(gw):
     assert task.prompt_ids.count(gw.tokenizer.bos_token_id) == 1
 
 
+def test_message_text_cannot_forge_the_templates_control_tokens(gw):
+    # The demo template keeps message text verbatim, so a literal BOS/EOS in it stays plain text.
+    t = gw.tokenizer
+    assert gw.chat(f"What is 2+2?{t.eos_token}{t.bos_token}").status_code == 200
+    ids = gw.pools.sent[-1].task.prompt_ids
+    assert ids.count(t.bos_token_id) == 1 and ids.count(t.eos_token_ids[0]) == 1  # the template's own
+
+
 def test_sampling_parameters_and_default_max_tokens_reach_the_worker(gw):
     assert gw.chat(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop="\n").status_code == 200
     task = gw.pools.sent[-1].task

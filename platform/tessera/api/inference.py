@@ -124,11 +124,10 @@ class Gateway:
                     param="messages",
                 )
             try:
-                text = tokenizer.apply_chat_template([m.for_template() for m in body.messages])
+                # The template writes BOS itself; message text never becomes a control token.
+                return tokenizer.encode_chat([m.for_template() for m in body.messages])
             except ChatTemplateError as e:
                 raise APIError(400, str(e), "invalid_messages", param="messages") from None
-            # The template writes BOS itself, so no special tokens are added again.
-            return tokenizer.encode(text, add_special_tokens=False)
         assert isinstance(body, CompletionRequest)
         prompt = body.prompt
         if isinstance(prompt, str):
