@@ -152,6 +152,18 @@ def test_settings_come_from_tessera_environment_variables(tmp_path, monkeypatch)
     assert Settings(port=9100).port == 9100  # explicit arguments win over the environment
 
 
+def test_settings_repr_shows_no_password(tmp_path):
+    settings = Settings(
+        data_dir=tmp_path,
+        database_url="postgresql+psycopg://tessera:hunter2@db:5432/tessera",
+        redis_url="redis://:s3cret@cache:6379/0",
+    )
+    assert (
+        "hunter2" not in repr(settings) and "s3cret" not in repr(settings) and "hunter2" not in str(settings)
+    )
+    assert settings.database_url.endswith("@db:5432/tessera")  # still usable
+
+
 def test_invalid_settings_say_which_value_is_wrong(monkeypatch):
     monkeypatch.setenv("TESSERA_PORT", "70000")
     with pytest.raises(ValueError, match="port must be between 1 and 65535"):

