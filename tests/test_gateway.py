@@ -623,6 +623,14 @@ def test_sampling_parameters_and_default_max_tokens_reach_the_worker(gw):
     assert task.tenant and task.request_id.startswith("req_")
 
 
+def test_ignore_eos_reaches_the_worker_and_defaults_off(gw):
+    assert gw.chat().status_code == 200
+    assert gw.pools.sent[-1].task.sampling.ignore_eos is False
+    assert gw.chat(ignore_eos=True).status_code == 200
+    assert gw.pools.sent[-1].task.sampling.ignore_eos is True
+    assert_openai_error(gw.chat(ignore_eos="sometimes"), 400)
+
+
 # -- responses --------------------------------------------------------------------------------------------------
 
 

@@ -106,6 +106,7 @@ class Gateway:
             top_k=body.top_k or 0,
             seed=body.seed,
             stop=body.stop_list,
+            ignore_eos=body.ignore_eos,
         )
         if sampling.stop and model.tokenizer is None:
             raise APIError(

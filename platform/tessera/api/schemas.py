@@ -99,6 +99,8 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: Text | None = None
+    # An extension (as vLLM's): generate exactly max_tokens, past end-of-sequence; benchmarks need fixed lengths.
+    ignore_eos: bool = False
     # Accepted in OpenAI's range, but the engine has no penalties: anything but 0 is refused below.
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
