@@ -1,6 +1,8 @@
 """Tenants, API keys, deployments and request records: the operations the CLI and the admin API share.
 
-Each function is one unit of work: it validates, writes and commits (or rolls back and raises). Errors are
+Each function is one unit of work: it validates, writes and commits (or rolls back and raises). Every change to a
+tenant, a key or a quota writes an ``AuditEvent`` in the same transaction (``audit``), naming its actor: the
+admin API passes ``key:<prefix>``, and a caller that names none is the local operator (``cli:<user>``). Errors are
 ``TenancyError`` subclasses (``ValueError``s) whose message says what was wrong and what to do:
 ``NotFound`` (HTTP 404), ``Conflict`` (409), ``InvalidConfig`` (422).
 """
@@ -9,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import getpass
 import json
+import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -18,25 +22,31 @@ from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from sqlalchemy import ColumnElement, Select, and_, or_, select, update
+from redis import Redis, RedisError
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from gpu_workers.protocol import DeploymentSpec
+from gpu_workers.protocol import DeploymentSpec, config_key, connect_redis
 from tessera import auth
 from tessera.models import (
+    AUDIT_TARGET_TYPES,
     FINAL_STATUSES,
     REQUEST_STATUSES,
     SCOPE_INFERENCE,
     SCOPES,
     ApiKey,
+    AuditEvent,
     Deployment,
     DeploymentAudit,
     RequestRecord,
     Tenant,
+    new_id,
     utcnow,
 )
+
+log = logging.getLogger(__name__)
 
 
 class TenancyError(ValueError):
@@ -65,7 +75,7 @@ TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEPLOYMENT_NAME_RE = re.compile(r"^@?[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 
 Mode = Literal["disaggregated", "colocated"]
-Dtype = Literal["bfloat16", "float16", "float32"]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # auto: bf16 where it is fast, else fp32
 KVFormat = Literal["auto", "bf16", "fp8_e4m3"]  # auto: the model's dtype, unquantised
 WeightFormat = Literal["bf16", "fp8", "int4"]
 MODES, DTYPES, KV_FORMATS, WEIGHT_FORMATS = (get_args(t) for t in (Mode, Dtype, KVFormat, WeightFormat))
@@ -75,10 +85,87 @@ CHECKPOINT_FIELDS = ("checkpoint", "prefill_weights", "decode_weights")
 _SPEC = {f.name: f.default for f in fields(DeploymentSpec)}  # one source of truth for worker defaults
 
 
+# --- audit log -------------------------------------------------------------------------------------------
+
+
+def local_actor() -> str:
+    """The actor of a change made on this host without an API key (the CLI): ``cli:<login name>``."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no login name in this environment (e.g. a bare container)
+        return "cli"
+
+
+def audit(
+    session: Session,
+    *,
+    actor: str | None,
+    action: str,
+    target_type: str,
+    target: str,
+    tenant_id: str | None,
+    before: Mapping[str, Any] | None = None,
+    after: Mapping[str, Any] | None = None,
+) -> AuditEvent:
+    """Add one audit event to ``session``; it is committed with the change it describes, or not at all.
+    ``before``/``after`` hold plain values only (datetimes as ISO strings); callers never pass secrets."""
+    if target_type not in AUDIT_TARGET_TYPES:
+        raise InvalidConfig(
+            f"invalid audit target type {target_type!r}: one of {', '.join(AUDIT_TARGET_TYPES)}"
+        )
+    event = AuditEvent(
+        tenant_id=tenant_id,
+        actor=actor or local_actor(),
+        action=action,
+        target_type=target_type,
+        target=target,
+        before=None if before is None else _plain(before),
+        after=None if after is None else _plain(after),
+    )
+    session.add(event)
+    return event
+
+
+def audit_events_page(
+    session: Session,
+    *,
+    tenant: str | None = None,
+    target_type: str | None = None,
+    cursor: str | None = None,
+    limit: int = 50,
+) -> Page[AuditEvent]:
+    """Tenant, key and quota changes, newest first, optionally of one tenant (by name) and one target type.
+    The log outlives what it describes, but a filter by a tenant that does not exist is ``NotFound``."""
+    query = select(AuditEvent)
+    if tenant is not None:
+        query = query.where(AuditEvent.tenant_id == get_tenant(session, tenant).id)
+    if target_type is not None:
+        if target_type not in AUDIT_TARGET_TYPES:
+            raise InvalidCursor(
+                f"invalid target_type {target_type!r}: choose from {', '.join(AUDIT_TARGET_TYPES)}"
+            )
+        query = query.where(AuditEvent.target_type == target_type)
+    return _keyset(session, query, (AuditEvent.id,), cursor, limit, descending=True)
+
+
+def key_state(key: ApiKey) -> dict[str, Any]:
+    """What the audit log records of a key: never its secret, hash or salt."""
+    return {
+        "name": key.name,
+        "scopes": key.scope_list,
+        "expires_at": key.expires_at,
+        "revoked_at": key.revoked_at,
+    }
+
+
+def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in values.items()}
+
+
 # --- tenants ---------------------------------------------------------------------------------------------
 
 
-def create_tenant(session: Session, name: str) -> Tenant:
+def create_tenant(session: Session, name: str, *, actor: str | None = None) -> Tenant:
     if not TENANT_NAME_RE.match(name):
         raise InvalidConfig(
             f"invalid tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
@@ -86,8 +173,17 @@ def create_tenant(session: Session, name: str) -> Tenant:
         )
     if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant {name!r} already exists")
-    tenant = Tenant(name=name)
+    tenant = Tenant(id=new_id(), name=name)  # the id now, for the audit event
     session.add(tenant)
+    audit(
+        session,
+        actor=actor,
+        action="create",
+        target_type="tenant",
+        target=name,
+        tenant_id=tenant.id,
+        after={"name": name, "disabled": False},
+    )
     _commit(session, f"tenant {name!r} already exists")
     return tenant
 
@@ -104,11 +200,27 @@ def list_tenants(session: Session, *, limit: int | None = None, offset: int = 0)
 
 
 def set_tenant_disabled(
-    session: Session, name: str, disabled: bool, *, version: auth.KeyVersion | None = None
+    session: Session,
+    name: str,
+    disabled: bool,
+    *,
+    version: auth.KeyVersion | None = None,
+    actor: str | None = None,
 ) -> Tenant:
     """Disable (or re-enable) a tenant: its keys stop (or start again) authenticating, in every API process
-    sharing ``version`` (default: the settings' Redis) by their next request."""
+    sharing ``version`` (default: the settings' Redis) by their next request. Audited when it changes."""
     tenant = get_tenant(session, name)
+    if tenant.disabled != disabled:
+        audit(
+            session,
+            actor=actor,
+            action="suspend" if disabled else "restore",
+            target_type="tenant",
+            target=name,
+            tenant_id=tenant.id,
+            before={"disabled": tenant.disabled},
+            after={"disabled": disabled},
+        )
     tenant.disabled = disabled
     session.commit()
     auth.key_cache.invalidate(tenant_id=tenant.id)
@@ -127,6 +239,7 @@ def create_key(
     scopes: Iterable[str] = (SCOPE_INFERENCE,),
     name: str = "",
     expires_at: datetime | None = None,
+    actor: str | None = None,
 ) -> tuple[ApiKey, str]:
     """A new key for the tenant named ``tenant``, valid until ``expires_at`` (default: until revoked); returns
     the stored key and the raw secret key, which is never stored and cannot be recovered: hand it to the
@@ -156,6 +269,15 @@ def create_key(
         expires_at=expires_at,
     )
     session.add(key)
+    audit(
+        session,
+        actor=actor,
+        action="create",
+        target_type="key",
+        target=key.prefix,
+        tenant_id=owner.id,
+        after=key_state(key),
+    )
     _commit(session, "key prefix collision; try again")
     return key, new.raw
 
@@ -175,14 +297,80 @@ def get_key(session: Session, prefix: str) -> ApiKey:
     return key
 
 
-def revoke_key(session: Session, prefix: str, *, version: auth.KeyVersion | None = None) -> ApiKey:
+def revoke_key(
+    session: Session, prefix: str, *, version: auth.KeyVersion | None = None, actor: str | None = None
+) -> ApiKey:
     """Revoke a key: it stops authenticating at once in this process, and by their next request in every API
     process sharing ``version`` (default: the settings' Redis). Revoking a revoked key changes nothing."""
     key = get_key(session, prefix)
     if key.revoked_at is None:
+        before = key_state(key)
         key.revoked_at = utcnow()
+        audit(
+            session,
+            actor=actor,
+            action="revoke",
+            target_type="key",
+            target=key.prefix,
+            tenant_id=key.tenant_id,
+            before=before,
+            after=key_state(key),
+        )
         session.commit()
     # After the commit: invalidating earlier would let a concurrent verify re-cache the still-valid row.
+    auth.key_cache.invalidate(prefix=key.prefix)
+    auth.announce_key_change(version)
+    return key
+
+
+_UNCHANGED: Any = object()
+
+
+def update_key(
+    session: Session,
+    prefix: str,
+    *,
+    name: str | None = None,
+    expires_at: datetime | None = _UNCHANGED,
+    version: auth.KeyVersion | None = None,
+    actor: str | None = None,
+) -> ApiKey:
+    """Rename a key or change its expiry (``None``: never expires; a time: an aware future time). An expiry
+    change is audited as ``expiry``, a rename as ``update``; a change that changes nothing writes nothing.
+    Every API process applies a new expiry by its next request."""
+    key = get_key(session, prefix)
+    if name is not None and len(name) > 100:
+        raise InvalidConfig(f"key name is {len(name)} characters; at most 100 are allowed")
+    if expires_at is not _UNCHANGED and expires_at is not None:
+        if expires_at.tzinfo is None:
+            raise InvalidConfig(
+                f"expires_at {expires_at.isoformat()} has no time zone; give an aware time (UTC)"
+            )
+        if expires_at <= utcnow():
+            raise InvalidConfig(f"expires_at {expires_at.isoformat()} is in the past; give a future time")
+    if key.revoked_at is not None:
+        raise Conflict(f"key {key.prefix!r} is revoked; create a new key instead")
+    before = key_state(key)
+    if name is not None:
+        key.name = name
+    if expires_at is not _UNCHANGED:
+        key.expires_at = expires_at
+    after = key_state(key)
+    if after == before:
+        return key
+    action = "expiry" if after["expires_at"] != before["expires_at"] else "update"
+    changed = [k for k in after if after[k] != before[k]]
+    audit(
+        session,
+        actor=actor,
+        action=action,
+        target_type="key",
+        target=key.prefix,
+        tenant_id=key.tenant_id,
+        before={k: before[k] for k in changed},
+        after={k: after[k] for k in changed},
+    )
+    session.commit()
     auth.key_cache.invalidate(prefix=key.prefix)
     auth.announce_key_change(version)
     return key
@@ -298,6 +486,7 @@ def create_deployment(
     *,
     actor: str,
     check_checkpoint_files: bool = True,
+    redis: Redis | None = None,
 ) -> Deployment:
     config = validate_deployment(config)
     if session.get(Deployment, config.name) is not None:
@@ -316,6 +505,7 @@ def create_deployment(
         )
     )
     _commit(session, f"deployment {config.name!r} already exists")
+    announce_config(session, deployment, redis)
     return deployment
 
 
@@ -326,9 +516,11 @@ def update_deployment(
     *,
     actor: str,
     check_checkpoint_files: bool = True,
+    redis: Redis | None = None,
 ) -> Deployment:
     """Apply ``changes`` ({field: new value}) after validating the whole resulting config; writes one audit
-    row listing each field that really changed. A change that changes nothing writes nothing."""
+    row listing each field that really changed. A change that changes nothing writes nothing (but announces
+    the config again, so re-running a change whose announcement failed tells the workers)."""
     unknown = sorted(set(changes) - set(EDITABLE_FIELDS))
     if unknown:
         raise InvalidConfig(
@@ -344,6 +536,7 @@ def update_deployment(
         if getattr(current, k) != getattr(config, k)
     }
     if not diff:
+        announce_config(session, deployment, redis)
         return deployment
     if check_checkpoint_files and any(k in diff for k in CHECKPOINT_FIELDS):
         check_checkpoint(config.checkpoint, config.prefill_weights, config.decode_weights)
@@ -351,7 +544,52 @@ def update_deployment(
         setattr(deployment, key, new)
     session.add(DeploymentAudit(deployment=name, actor=actor, action="update", changes=diff))
     session.commit()
+    announce_config(session, deployment, redis)
     return deployment
+
+
+# Set only if newer: two changes committed close together may announce in either order.
+_ANNOUNCE = """
+if tonumber(redis.call('HGET', KEYS[1], 'version') or '-1') < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1], 'spec', ARGV[2])
+end
+"""
+
+
+def config_version(session: Session, name: str) -> int:
+    """The deployment's config version: the number of audited changes to it, its creation included."""
+    query = select(func.count()).select_from(DeploymentAudit).where(DeploymentAudit.deployment == name)
+    return session.scalar(query) or 0
+
+
+def announce_config(session: Session, deployment: Deployment, redis: Redis | None = None) -> int:
+    """Publish the committed config to the deployment's workers (``config_key``): each worker serving
+    another spec drains and reloads. Call after the commit; returns the version announced. Without Redis
+    (none configured, or unreachable) the change stays saved and workers apply it when they restart."""
+    version = config_version(session, deployment.name)
+    owned = redis is None
+    if owned:
+        from tessera.settings import get_settings
+
+        url = get_settings().redis_url
+        if not url:
+            log.warning("TESSERA_REDIS_URL is not set: running workers keep the old config until restarted")
+            return version
+        redis = connect_redis(url)
+    try:
+        redis.eval(_ANNOUNCE, 1, config_key(deployment.name), version, deployment.to_spec().to_json())
+    except RedisError as exc:
+        log.warning(
+            "could not announce config version %d of %s (%s): workers keep the old config until restarted, "
+            "or repeat the change once Redis is back",
+            version,
+            deployment.name,
+            exc,
+        )
+    finally:
+        if owned:
+            redis.close()
+    return version
 
 
 def deployment_config(deployment: Deployment) -> DeploymentConfig:

@@ -2,13 +2,13 @@
 
 Admin-scoped keys only (``require_admin``: 401 without a valid key, 403 for a key without the scope). Every
 route calls the same service layer as the CLI (``tessera.tenancy``, ``tessera.quota_config``); every change
-names its actor ``key:<prefix>``: deployment changes in their audit log, the others in the ``tessera.audit``
-log. Routes that touch the database are sync, so FastAPI runs them in its thread pool.
+names its actor ``key:<prefix>`` and is audited in the same transaction: deployment changes in their own log
+(``/admin/deployments/{name}/audit``), tenant, key and quota changes in ``/admin/audit``. Routes that touch
+the database are sync, so FastAPI runs them in its thread pool.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +24,7 @@ from gpu_workers.protocol import POOLS, WorkerInfo, pool_queue
 from tessera import quota_config, routing, tenancy
 from tessera.api.admin_schemas import (
     AuditEntry,
+    AuditEventOut,
     DeploymentOut,
     DeploymentUpdate,
     ErrorResponse,
@@ -31,6 +32,7 @@ from tessera.api.admin_schemas import (
     KeyCreated,
     KeyOut,
     KeyQuota,
+    KeyUpdate,
     ListResponse,
     PoolStatus,
     Quotas,
@@ -42,8 +44,6 @@ from tessera.api.admin_schemas import (
 from tessera.api.deps import AdminCaller, Caller, require_admin
 from tessera.errors import APIError
 from tessera.tenancy import DeploymentConfig
-
-audit_log = logging.getLogger("tessera.audit")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -82,10 +82,6 @@ def _actor(caller: Caller) -> str:
     return f"key:{caller.key_prefix}"
 
 
-def _audit(caller: Caller, action: str, target: str, **details: Any) -> None:
-    audit_log.info("%s %s %s %s", _actor(caller), action, target, details)
-
-
 # --- tenants ---------------------------------------------------------------------------------------------
 
 
@@ -99,8 +95,7 @@ def list_tenants(request: Request, cursor: Cursor = None, limit: Limit = 50) -> 
 @router.post("/tenants", response_model=TenantOut, status_code=201)
 def create_tenant(request: Request, body: TenantCreate, caller: AdminCaller) -> TenantOut:
     with _session(request) as session:
-        tenant = tenancy.create_tenant(session, body.name)
-        _audit(caller, "create tenant", tenant.name)
+        tenant = tenancy.create_tenant(session, body.name, actor=_actor(caller))
         return TenantOut.of(tenant)
 
 
@@ -116,11 +111,9 @@ def update_tenant(request: Request, tenant: str, body: TenantUpdate, caller: Adm
     with _session(request) as session:
         if body.disabled is None:
             return TenantOut.of(tenancy.get_tenant(session, tenant))
-        before = tenancy.get_tenant(session, tenant).disabled
         updated = tenancy.set_tenant_disabled(
-            session, tenant, body.disabled, version=request.app.state.key_version
+            session, tenant, body.disabled, version=request.app.state.key_version, actor=_actor(caller)
         )
-        _audit(caller, "update tenant", tenant, disabled=[before, updated.disabled])
         return TenantOut.of(updated)
 
 
@@ -139,9 +132,7 @@ def set_tenant_quotas(request: Request, tenant: str, body: Quotas, caller: Admin
     """Replace the tenant's limits: a limit left out or null is unlimited."""
     with _session(request) as session:
         tenancy.get_tenant(session, tenant)
-        before = quota_config.get_limits(session, tenant)
-        after = quota_config.set_limits(session, tenant, body.limits())
-        _audit(caller, "set quotas", f"tenant {tenant}", before=before, after=after)
+        after = quota_config.set_limits(session, tenant, body.limits(), actor=_actor(caller))
         return Quotas.of(after)
 
 
@@ -156,11 +147,10 @@ def set_key_quotas(request: Request, key_id: str, body: Quotas, caller: AdminCal
     """Replace the key's override: a limit left out or null falls back to the tenant's; all null removes it."""
     with _session(request) as session:
         key = tenancy.get_key(session, key_id)
-        before = quota_config.get_key_limits(session, key.prefix)
-        quota_config.set_limits(session, key.tenant.name, body.limits(), key_prefix=key.prefix)
-        result = _key_quota(session, key.prefix)
-        _audit(caller, "set quotas", f"key {key.prefix}", before=before, after=result.override)
-        return result
+        quota_config.set_limits(
+            session, key.tenant.name, body.limits(), key_prefix=key.prefix, actor=_actor(caller)
+        )
+        return _key_quota(session, key.prefix)
 
 
 def _key_quota(session: Session, key_id: str) -> KeyQuota:
@@ -193,9 +183,13 @@ def create_key(request: Request, tenant: str, body: KeyCreate, caller: AdminCall
     """A new key; ``secret`` is the whole key, shown in this response only: hand it to its user now."""
     with _session(request) as session:
         key, secret = tenancy.create_key(
-            session, tenant, scopes=body.scopes, name=body.name, expires_at=body.expires_at
+            session,
+            tenant,
+            scopes=body.scopes,
+            name=body.name,
+            expires_at=body.expires_at,
+            actor=_actor(caller),
         )
-        _audit(caller, "create key", key.prefix, tenant=tenant, scopes=key.scope_list)
         return KeyCreated(**KeyOut.of(key, tenant).model_dump(), secret=secret)
 
 
@@ -203,9 +197,52 @@ def create_key(request: Request, tenant: str, body: KeyCreate, caller: AdminCall
 def revoke_key(request: Request, key_id: str, caller: AdminCaller) -> KeyOut:
     """Revoke a key: every API process refuses it from its next request. Revoking twice changes nothing."""
     with _session(request) as session:
-        key = tenancy.revoke_key(session, key_id, version=request.app.state.key_version)
-        _audit(caller, "revoke key", key.prefix)
+        key = tenancy.revoke_key(session, key_id, version=request.app.state.key_version, actor=_actor(caller))
         return KeyOut.of(key, key.tenant.name)
+
+
+@router.patch("/keys/{key_id}", response_model=KeyOut)
+def update_key(request: Request, key_id: str, body: KeyUpdate, caller: AdminCaller) -> KeyOut:
+    """Rename a key or change its expiry (``expires_at: null`` makes it valid until revoked); audited.
+    Every API process applies a new expiry by its next request."""
+    with _session(request) as session:
+        changes: dict[str, Any] = {}
+        if body.name is not None:
+            changes["name"] = body.name
+        if "expires_at" in body.model_fields_set:
+            changes["expires_at"] = body.expires_at
+        key = tenancy.update_key(
+            session, key_id, **changes, version=request.app.state.key_version, actor=_actor(caller)
+        )
+        return KeyOut.of(key, key.tenant.name)
+
+
+# --- audit log -------------------------------------------------------------------------------------------
+
+TargetType = Annotated[
+    str | None, Query(description="only changes to this kind of target: tenant | key | quota")
+]
+TenantFilter = Annotated[str | None, Query(description="only changes to this tenant (its name) and its keys")]
+
+
+@router.get("/audit", response_model=ListResponse[AuditEventOut])
+def list_audit(
+    request: Request,
+    tenant: TenantFilter = None,
+    target_type: TargetType = None,
+    cursor: Cursor = None,
+    limit: Limit = 50,
+) -> ListResponse[AuditEventOut]:
+    """Who changed which tenant, key or quota, when, and the values before and after; newest first."""
+    with _session(request) as session:
+        try:
+            page = tenancy.audit_events_page(
+                session, tenant=tenant, target_type=target_type, cursor=cursor, limit=limit
+            )
+        except tenancy.InvalidCursor as exc:
+            param = "target_type" if "target_type" in str(exc) else "cursor"
+            raise APIError(400, str(exc), "invalid_request", param=param) from None
+        return ListResponse(data=[AuditEventOut.of(e) for e in page.items], next_cursor=page.next_cursor)
 
 
 # --- deployments -----------------------------------------------------------------------------------------
@@ -234,7 +271,11 @@ def create_deployment(
 ) -> DeploymentOut:
     with _session(request) as session:
         deployment = tenancy.create_deployment(
-            session, body, actor=_actor(caller), check_checkpoint_files=check_checkpoint
+            session,
+            body,
+            actor=_actor(caller),
+            check_checkpoint_files=check_checkpoint,
+            redis=request.app.state.key_version.redis,
         )
         return DeploymentOut.of(deployment)
 
@@ -264,7 +305,8 @@ def update_deployment(
     check_checkpoint: CheckCheckpoint = True,
 ) -> DeploymentOut:
     """Change the given fields; the whole resulting config is validated (422 names each problem) and the
-    change is audited. Workers pick up the new config as they restart."""
+    change is audited. Workers serving the old config finish their requests on it, then restart on the new
+    one (``config_version`` in ``/admin/pools``); queued requests wait for them."""
     with _session(request) as session:
         deployment = tenancy.update_deployment(
             session,
@@ -272,6 +314,7 @@ def update_deployment(
             body.model_dump(exclude_unset=True),
             actor=_actor(caller),
             check_checkpoint_files=check_checkpoint,
+            redis=request.app.state.key_version.redis,  # announces the config: its workers drain and reload
         )
         return DeploymentOut.of(deployment)
 
@@ -340,6 +383,9 @@ async def _pool_status(
                 running=w.running,
                 waiting=w.waiting,
                 integrity_mismatches=w.integrity_mismatches,
+                config_version=w.config_version,
+                integrity_check=w.integrity_check,
+                draining=w.draining,
             )
             for w, depth in zip(workers, depths, strict=True)
         ],

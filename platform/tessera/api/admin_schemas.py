@@ -8,7 +8,7 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tessera.models import SCOPE_INFERENCE, ApiKey, Deployment, DeploymentAudit, Tenant
+from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
 from tessera.quotas import Limits
 from tessera.tenancy import DeploymentConfig, Dtype, KVFormat, Mode, WeightFormat, deployment_config
 
@@ -92,6 +92,13 @@ class KeyOut(BaseModel):
             revoked_at=key.revoked_at,
             last_used_at=key.last_used_at,
         )
+
+
+class KeyUpdate(_Request):
+    name: str | None = Field(None, max_length=100, description="a new label; unset: unchanged")
+    expires_at: datetime | None = Field(
+        None, description="an aware future time (UTC); null: valid until revoked; unset: unchanged"
+    )
 
 
 class KeyCreated(KeyOut):
@@ -182,6 +189,34 @@ class AuditEntry(BaseModel):
         )
 
 
+class AuditEventOut(BaseModel):
+    id: int
+    at: datetime
+    actor: str = Field(description="who: 'key:<prefix>' for the admin API, 'cli:<user>' for the CLI")
+    action: str = Field(description="create | update | suspend | restore | revoke | expiry | set")
+    target_type: str = Field(description="tenant | key | quota")
+    target: str = Field(
+        description="a tenant name, a key prefix, or 'tenant:<name>' / 'key:<prefix>' (quotas)"
+    )
+    tenant_id: str | None
+    before: dict[str, Any] | None = Field(description="the changed values before; null on create")
+    after: dict[str, Any] | None = Field(description="the values after; null when removed")
+
+    @classmethod
+    def of(cls, event: AuditEvent) -> AuditEventOut:
+        return cls(
+            id=event.id,
+            at=event.created_at,
+            actor=event.actor,
+            action=event.action,
+            target_type=event.target_type,
+            target=event.target,
+            tenant_id=event.tenant_id,
+            before=event.before,
+            after=event.after,
+        )
+
+
 # --- pools -----------------------------------------------------------------------------------------------
 
 
@@ -198,6 +233,12 @@ class WorkerStatus(BaseModel):
     running: int
     waiting: int
     integrity_mismatches: int
+    config_version: int | None = Field(
+        description="the deployment config version it serves (its count of audited changes); null if "
+        "none was announced"
+    )
+    integrity_check: bool | None
+    draining: bool = Field(description="finishing its requests on the old config before it restarts")
 
 
 class PoolStatus(BaseModel):

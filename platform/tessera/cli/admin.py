@@ -1,4 +1,5 @@
-"""``tessera db``, ``tenants``, ``keys`` and ``deployments``: the control plane's database from the command line.
+"""``tessera db``, ``tenants``, ``keys``, ``deployments`` and ``audit``: the control plane's database from the
+command line.
 
 ``add_commands`` registers them on the main parser's subcommands. Every command takes ``--database-url`` and
 ``--data-dir`` (default: the ``TESSERA_*`` settings). User errors raise ValueError, which ``tessera.cli.main``
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import getpass
 import json
 import sys
 from collections.abc import Iterator
@@ -25,7 +25,7 @@ from tessera.cli.common import parse_bytes, parse_optional_int
 if TYPE_CHECKING:  # imported inside the commands: SQLAlchemy, pydantic and rich would slow every `tessera`
     from sqlalchemy.orm import Session
 
-    from tessera.models import ApiKey, Deployment, DeploymentAudit, Tenant
+    from tessera.models import ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
     from tessera.settings import Settings
 
 
@@ -83,6 +83,32 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     revoke = key_commands.add_parser("revoke", parents=[common, as_json], help="revoke a key")
     revoke.add_argument("prefix", metavar="PREFIX", help="the key's prefix, as `keys list` shows it")
     revoke.set_defaults(func=cmd_keys_revoke)
+    update = key_commands.add_parser(
+        "update", parents=[common, as_json], help="rename a key or change its expiry (audited)"
+    )
+    update.add_argument("prefix", metavar="PREFIX", help="the key's prefix, as `keys list` shows it")
+    update.add_argument("--name", default=None, metavar="N", help="a new label")
+    update.add_argument(
+        "--expires-at",
+        type=parse_expiry,
+        default=argparse.SUPPRESS,
+        metavar="TIME",
+        help="an ISO time with a zone, e.g. 2027-01-31T00:00:00Z; 'never': valid until revoked",
+    )
+    update.set_defaults(func=cmd_keys_update)
+
+    audit = subparsers.add_parser("audit", help="who changed which tenant, key or quota, and how")
+    audit_commands = audit.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
+    listing = audit_commands.add_parser(
+        "list", parents=[common, as_json], help="tenant, key and quota changes, newest first"
+    )
+    listing.add_argument("--tenant", metavar="NAME", help="only this tenant's changes")
+    listing.add_argument(
+        "--target-type", choices=("tenant", "key", "quota"), help="only changes to this kind of target"
+    )
+    listing.add_argument("--limit", type=int, default=50, metavar="N", help="changes per page (default 50)")
+    listing.add_argument("--cursor", metavar="C", help="the next page, as the previous one printed it")
+    listing.set_defaults(func=cmd_audit_list)
 
     deployments = subparsers.add_parser("deployments", help="create, list, show, update deployments")
     dep_commands = deployments.add_subparsers(dest="deployments_command", required=True, metavar="ACTION")
@@ -120,7 +146,7 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     unset = argparse.SUPPRESS
     option = parser.add_argument
     option("--mode", default=unset, help="disaggregated (prefill + decode pools; default) or colocated")
-    option("--dtype", default=unset, help="compute dtype: bfloat16 (default), float16 or float32")
+    option("--dtype", default=unset, help="compute dtype: auto (default), bfloat16, float16 or float32")
     option(
         "--prefill-kv", default=unset, help="KV format prefill computes in: auto (default), bf16, fp8_e4m3"
     )
@@ -197,7 +223,8 @@ def cmd_tenants_create(args: argparse.Namespace) -> None:
     from tessera import tenancy
 
     with open_session(args) as session:
-        emit(args, [tenant_row(tenancy.create_tenant(session, args.name))], title="Tenant created")
+        tenant = tenancy.create_tenant(session, args.name, actor=cli_actor())
+        emit(args, [tenant_row(tenant)], title="Tenant created")
 
 
 def cmd_tenants_list(args: argparse.Namespace) -> None:
@@ -211,7 +238,7 @@ def cmd_tenants_toggle(args: argparse.Namespace) -> None:
     from tessera import tenancy
 
     with open_session(args) as session:
-        tenant = tenancy.set_tenant_disabled(session, args.name, args.disabled)
+        tenant = tenancy.set_tenant_disabled(session, args.name, args.disabled, actor=cli_actor())
         emit(args, [tenant_row(tenant)], title="Tenant disabled" if args.disabled else "Tenant enabled")
 
 
@@ -221,7 +248,9 @@ def cmd_keys_create(args: argparse.Namespace) -> None:
 
     scopes = [SCOPE_INFERENCE, SCOPE_ADMIN] if args.admin else [SCOPE_INFERENCE]
     with open_session(args) as session:
-        key, secret = tenancy.create_key(session, args.tenant, scopes=scopes, name=args.name)
+        key, secret = tenancy.create_key(
+            session, args.tenant, scopes=scopes, name=args.name, actor=cli_actor()
+        )
         row = key_row(key, tenant=args.tenant)
     if args.json:
         print(json.dumps({**row, "key": secret}, default=json_default))
@@ -248,8 +277,50 @@ def cmd_keys_revoke(args: argparse.Namespace) -> None:
     from tessera import tenancy
 
     with open_session(args) as session:
-        key = tenancy.revoke_key(session, args.prefix)
+        key = tenancy.revoke_key(session, args.prefix, actor=cli_actor())
         emit(args, [key_row(key, tenant=key.tenant.name)], title="Key revoked")
+
+
+def cmd_keys_update(args: argparse.Namespace) -> None:
+    from tessera import tenancy
+
+    changes: dict[str, Any] = {}
+    if args.name is not None:
+        changes["name"] = args.name
+    if hasattr(args, "expires_at"):
+        changes["expires_at"] = args.expires_at
+    if not changes:
+        raise ValueError("nothing to update: pass --name or --expires-at (a time, or 'never')")
+    with open_session(args) as session:
+        key = tenancy.update_key(session, args.prefix, **changes, actor=cli_actor())
+        emit(args, [key_row(key, tenant=key.tenant.name)], title="Key updated")
+
+
+def cmd_audit_list(args: argparse.Namespace) -> None:
+    from tessera import tenancy
+
+    with open_session(args) as session:
+        page = tenancy.audit_events_page(
+            session, tenant=args.tenant, target_type=args.target_type, cursor=args.cursor, limit=args.limit
+        )
+        rows = [audit_event_row(e) for e in page.items]
+    emit(args, rows, title="Changes (newest first)")
+    if page.next_cursor is not None:
+        print(f"More: --cursor {page.next_cursor}", file=sys.stderr)
+
+
+def parse_expiry(value: str) -> datetime | None:
+    if value.strip().lower() == "never":
+        return None
+    try:
+        when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO time with a zone (e.g. 2027-01-31T00:00:00Z) or 'never', got {value!r}"
+        )
+    return when
 
 
 def cmd_deployments_create(args: argparse.Namespace) -> None:
@@ -378,10 +449,9 @@ def database_error(url: str, exc: Exception) -> str:
 
 
 def cli_actor() -> str:
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):  # no login name in this environment (e.g. a bare container)
-        return "cli"
+    from tessera import tenancy
+
+    return tenancy.local_actor()
 
 
 def deployment_changes(args: argparse.Namespace) -> dict[str, Any]:
@@ -420,6 +490,19 @@ def deployment_row(deployment: Deployment) -> dict[str, Any]:
         **tenancy.deployment_config(deployment).model_dump(exclude={"name"}),
         "created_at": deployment.created_at,
         "updated_at": deployment.updated_at,
+    }
+
+
+def audit_event_row(event: AuditEvent) -> dict[str, Any]:
+    return {
+        "id": event.id,
+        "at": event.created_at,
+        "actor": event.actor,
+        "action": event.action,
+        "target_type": event.target_type,
+        "target": event.target,
+        "before": event.before,
+        "after": event.after,
     }
 
 
