@@ -15,6 +15,8 @@ from tessera.cli.common import (
     add_engine_args,
     engine_config,
     parse_ids,
+    parse_positive_float,
+    parse_positive_int,
     parse_shape,
     require_positive,
 )
@@ -188,6 +190,55 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     weights.add_argument("--json", action="store_true", help="print the results as JSON")
     weights.set_defaults(func=cmd_weights)
 
+    serve = benches.add_parser(
+        "serve",
+        help="load a running server through its OpenAI streaming API: throughput, TTFT, TPOT, ITL, goodput",
+        description="Closed-loop clients at each --concurrency, or open-loop arrivals at --request-rate "
+        "(Poisson; gamma with --burstiness). Prompts are token ids and every request generates exactly "
+        "--output-len tokens (ignore_eos); token counts are the server's usage. Metrics as vLLM's bench serve.",
+    )
+    serve.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8787")
+    serve.add_argument("--model", required=True, help="model id, e.g. @tessera/pycode-tiny")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        required=True,
+        metavar="KEY",
+        help="API key; repeat it, one per tenant, for --tenants > 1",
+    )
+    load = serve.add_mutually_exclusive_group(required=True)
+    load.add_argument(
+        "--concurrency", type=parse_ids, metavar="1,8,16,32,64", help="closed-loop clients per level"
+    )
+    load.add_argument(
+        "--request-rate", type=parse_positive_float, metavar="R", help="open-loop arrivals per second"
+    )
+    serve.add_argument(
+        "--burstiness",
+        type=parse_positive_float,
+        default=1.0,
+        help="gamma shape of arrival gaps (1: Poisson)",
+    )
+    serve.add_argument(
+        "--input-len", type=parse_positive_int, default=256, help="prompt tokens (default 256)"
+    )
+    serve.add_argument("--output-len", type=parse_positive_int, default=64, help="output tokens (default 64)")
+    serve.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="leading prompt tokens a tenant's requests share"
+    )
+    serve.add_argument(
+        "--num-requests", type=parse_positive_int, default=64, help="requests per level (default 64)"
+    )
+    serve.add_argument("--tenants", type=parse_positive_int, default=1, help="tenants (keys) taking turns")
+    serve.add_argument(
+        "--vocab", type=int, default=1000, help="prompt ids are drawn from [10, VOCAB) (default 1000)"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
+    serve.add_argument("--slo", type=parse_slo, default={}, metavar="ttft=MS,tpot=MS", help="goodput SLOs")
+    serve.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
+    serve.add_argument("--plot", type=Path, metavar="FILE.png", help="plot throughput and latency vs load")
+    serve.set_defaults(func=cmd_serve)
+
 
 def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of KV cache (default 256 MiB)"):
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (HF layout)")
@@ -311,4 +362,50 @@ def cmd_weights(args: argparse.Namespace) -> None:
         args.max_tokens,
         args.per_layer,
         args.json,
+    )
+
+
+def parse_slo(value: str) -> dict[str, float]:
+    """``ttft=500,tpot=50``: milliseconds per metric (ttft, tpot, e2el)."""
+    from tessera.bench.serve import SLO_METRICS
+
+    slo = {}
+    for part in filter(None, value.split(",")):
+        name, _, ms = part.partition("=")
+        if name not in SLO_METRICS:
+            raise argparse.ArgumentTypeError(f"unknown SLO {name!r}; expected {', '.join(SLO_METRICS)} (ms)")
+        slo[name] = parse_positive_float(ms)
+    return slo
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tessera.bench.serve import Workload, run_serve
+
+    if not 0 <= args.shared_prefix_len <= args.input_len:
+        raise CliError(f"--shared-prefix-len must be between 0 and --input-len ({args.input_len})")
+    if args.vocab <= 10:
+        raise CliError("--vocab must be above 10 (ids below 10 are left out as likely special tokens)")
+    if len(args.api_key) < args.tenants:
+        raise CliError(
+            f"--tenants {args.tenants} needs that many --api-key (one per tenant); got {len(args.api_key)}"
+        )
+    workload = Workload(
+        model=args.model,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        shared_prefix_len=args.shared_prefix_len,
+        vocab=args.vocab,
+        seed=args.seed,
+    )
+    run_serve(
+        args.url.rstrip("/"),
+        args.api_key[: args.tenants],
+        workload,
+        args.concurrency,
+        args.request_rate,
+        args.burstiness,
+        args.num_requests,
+        args.slo,
+        args.json,
+        args.plot,
     )
