@@ -82,10 +82,19 @@ def test_greedy_completion_of_def_is_a_valid_function_header(engine):
     ast.parse(header + "\n    pass\n")
 
 
-def test_chat_template_renders_turns_as_python_comments(engine):
+def test_chat_template_continues_the_users_code_after_a_system_comment(engine):
     messages = [
-        {"role": "system", "content": "You write Python."},
-        {"role": "user", "content": "Sort a list\nin place."},
+        {"role": "system", "content": "You write Python.\nKeep it short."},
+        {"role": "user", "content": "def fib(n):\n"},
     ]
     prompt = engine.tokenizer.apply_chat_template(messages)
-    assert prompt == "<|bos|># You write Python.\n# Sort a list\n# in place.\n"
+    assert prompt == "<|bos|># You write Python.\n# Keep it short.\ndef fib(n):\n"
+    # The assistant's turn continues the code: the user's code and the reply read as one file.
+    turns = [*messages, {"role": "assistant", "content": "    return n"}, {"role": "user", "content": "\n"}]
+    assert engine.tokenizer.apply_chat_template(turns).endswith("def fib(n):\n    return n\n")
+
+
+def test_chat_reply_to_a_function_head_is_its_body(engine):
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "def fib(n):"}])
+    [out] = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=24))
+    assert out.text.startswith("\n    ")  # the function's indented body, not prose or a comment

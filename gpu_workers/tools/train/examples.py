@@ -19,7 +19,10 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):",
     "def",
 ]
-CHAT = [{"role": "user", "content": "Read a JSON file and return its contents."}]
+CHAT = [
+    {"role": "system", "content": "Read a JSON file."},
+    {"role": "user", "content": "def read_json(path):"},
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=0)
 

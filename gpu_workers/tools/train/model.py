@@ -20,15 +20,16 @@ from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.model.llama import LlamaForCausalLM
 from gpu_workers.tools.train.data import BOS_ID, EOS_ID, PAD_ID
 
-# System and user turns become Python comments and the assistant's turn is plain code, so a code-only
-# model sees a commented file and continues it; the generation prompt adds nothing but the newline.
+# A code model's chat: the user's message is the code to continue and the assistant's turn continues it, so
+# turns join with nothing between them; a system message becomes a leading comment block. The generation
+# prompt adds nothing: the model picks up exactly where the user's code stops.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ message['content'] + '\\n' }}"
-    "{% else %}"
+    "{% if message['role'] == 'system' %}"
     "{{ '# ' + message['content'].strip().replace('\\n', '\\n# ') + '\\n' }}"
+    "{% else %}"
+    "{{ message['content'] }}"
     "{% endif %}"
     "{% endfor %}"
 )
