@@ -5,24 +5,33 @@ request and runs through the same ``Gateway.prepare`` and ``Gateway.serve`` as `
 and records are the same), answered in Workers AI's envelope ``{"result", "success", "errors",
 "messages"}``. Every error, auth and validation included, uses that envelope with a numeric code beside
 the HTTP status. The account id is the caller's tenant id; any other is a 404 that says nothing more.
+
+Async batches on the same routes: ``?queueRequest=true`` with ``{"requests": [...]}`` stores the batch
+(``tessera.batch``) and answers its ``request_id``; ``{"request_id"}`` polls it. ``BatchDispatch`` is how the
+batch runner runs an item: through the same ``prepare`` and ``serve``, as a request of its own.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+import anyio
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
-from tessera import streaming
+from gpu_workers.protocol import pool_queue
+from tessera import batch, routing, streaming, tenancy
 from tessera.api.deps import Caller, current_caller
 from tessera.api.errors import validation_error
-from tessera.api.inference import gateway
+from tessera.api.inference import Gateway, Prepared, gateway
 from tessera.api.schemas import (
     MAX_SEED,
     ChatCompletionRequest,
@@ -33,26 +42,56 @@ from tessera.api.schemas import (
 )
 from tessera.errors import APIError
 
+log = logging.getLogger(__name__)
+
+BODY_TAGS = ("run", "queue", "poll")  # which of the route's bodies a request sent (see ``_body_kind``)
+
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(streaming.workers_ai_error(error), status_code=error.status, headers=error.headers)
 
 
+def _untagged(errors: Any) -> list[dict[str, Any]]:
+    """Pydantic's errors without the body's union tag in their location, so they name the field itself."""
+    cleaned = []
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        if len(loc) > 1 and loc[0] == "body" and loc[1] in BODY_TAGS:
+            loc = ("body", *loc[2:])
+        cleaned.append({**error, "loc": loc})
+    return cleaned
+
+
 class EnvelopeRoute(APIRoute):
-    """Answers this router's errors (from auth, body validation or the gateway) in Workers AI's envelope."""
+    """Answers this router's errors (from auth, body validation or the gateway) in Workers AI's envelope, and
+    refuses a batch over the batch size limit before its body is read."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
 
         async def run(request: Request) -> Response:
             try:
+                _check_batch_size(request)
                 return await handler(request)
             except APIError as e:
                 return error_response(e)
             except RequestValidationError as e:
-                return error_response(validation_error(e.errors()))
+                return error_response(validation_error(_untagged(e.errors())))
 
         return run
+
+
+def _check_batch_size(request: Request) -> None:
+    if request.query_params.get("queueRequest", "").lower() != "true":
+        return
+    limit = request.app.state.settings.batch_max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(
+            413,
+            f"the batch is {int(length)} bytes, over the limit of {limit} bytes; split it into smaller batches",
+            "request_too_large",
+        )
 
 
 router = APIRouter(route_class=EnvelopeRoute, tags=["workers-ai"])
@@ -88,6 +127,46 @@ class RunRequest(BaseModel):
         return self
 
 
+class BatchRequest(BaseModel):
+    """``?queueRequest=true``: run these requests later, at lower priority, and poll for the results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[dict[str, Any]] = Field(
+        min_length=1,
+        description="each a run body (prompt or messages, sampling options) plus an optional "
+        "external_reference returned with its result; validated one by one",
+    )
+
+
+class PollRequest(BaseModel):
+    """Ask for a queued batch's status, or its results once every request has run."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=64)
+
+
+class BatchItemRequest(RunRequest):
+    external_reference: str | None = Field(None, max_length=200)
+
+
+def _body_kind(data: Any) -> str:
+    if isinstance(data, dict) and "requests" in data:
+        return "queue"
+    if isinstance(data, dict) and "request_id" in data and not {"prompt", "messages"} & set(data):
+        return "poll"
+    return "run"
+
+
+RunBody = Annotated[
+    Annotated[RunRequest, Tag("run")]
+    | Annotated[BatchRequest, Tag("queue")]
+    | Annotated[PollRequest, Tag("poll")],
+    Discriminator(_body_kind),
+]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -105,8 +184,27 @@ class Message(BaseModel):
     message: str
 
 
-class RunEnvelope(BaseModel):
+class BatchStatus(BaseModel):
+    status: Literal["queued", "running"]
+    request_id: str
+    model: str
+
+
+class BatchResponse(BaseModel):
+    id: int = Field(description="the request's index in the batch")
     result: RunResult | None
+    success: bool
+    external_reference: str | None
+    errors: list[Message] = Field(default_factory=list)
+
+
+class BatchResults(BaseModel):
+    responses: list[BatchResponse]
+    usage: Usage = Field(description="the sum over the batch's requests")
+
+
+class RunEnvelope(BaseModel):
+    result: RunResult | BatchStatus | BatchResults | None
     success: bool
     errors: list[Message]
     messages: list[Message]
@@ -115,9 +213,13 @@ class RunEnvelope(BaseModel):
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": RunEnvelope, "description": description}
     for status, description in (
-        (400, "bad input (5007), or too large for the model's context (3006)"),
+        (
+            400,
+            "bad input (5007), or too large for the model's context (3006); a batch names each bad request",
+        ),
         (401, "invalid API key (10000)"),
-        (404, "unknown account (7003) or model (5018)"),
+        (404, "unknown account (7003), model (5018) or batch request_id"),
+        (413, "a batch over the size limit (3006)"),
         (429, "rate limit or quota exceeded (3036)"),
         (503, "out of capacity: no live worker (3040)"),
     )
@@ -169,10 +271,219 @@ def _openai_request(model: str, body: RunRequest) -> ChatCompletionRequest | Com
     responses=_ERRORS,
     summary="Run a text-generation model (Workers AI, the SDKs' path)",
 )
-async def run_model(request: Request, caller: AccountCaller, model: str, body: RunRequest) -> Response:
+async def run_model(
+    request: Request,
+    caller: AccountCaller,
+    model: str,
+    body: Annotated[RunBody, Body()],
+    queue_request: Annotated[
+        bool,
+        Query(
+            alias="queueRequest",
+            description='true: queue a batch ({"requests": [...]}) or poll one ({"request_id"})',
+        ),
+    ] = False,
+) -> Response:
+    if isinstance(body, PollRequest):
+        return await _poll(request, caller, model, body.request_id)
+    if isinstance(body, BatchRequest):
+        if not queue_request:
+            raise APIError(
+                400,
+                "a body with 'requests' is a batch: add ?queueRequest=true",
+                "invalid_request",
+                param="requests",
+            )
+        return await _queue(request, caller, model, body)
+    if queue_request:
+        raise APIError(
+            400,
+            '?queueRequest=true takes a batch: send {"requests": [...]} (or {"request_id"} to poll one)',
+            "invalid_request",
+            param="requests",
+        )
     gw = gateway(request)
     openai_body = _openai_request(model, body)
     prepared = await run_in_threadpool(gw.prepare, openai_body)
     kind = "chat" if isinstance(openai_body, ChatCompletionRequest) else "text"
     reject = bool(body.options and body.options.rejectIfBusy)
     return await gw.serve(request, caller, prepared, kind, streaming.WorkersAIShape(), reject_if_busy=reject)
+
+
+# --- async batches --------------------------------------------------------------------------------------
+
+
+def _validate_items(
+    gw: Gateway, model: str, items: list[dict[str, Any]]
+) -> tuple[list[tuple[dict[str, Any], str | None]], list[tuple[int, APIError]]]:
+    """Each item validated as a run body, then against the model (tokenised, context and output limits) as
+    an interactive request is; returns the valid bodies and each bad item's error. Sync: tokenising is CPU."""
+    valid, problems = [], []
+    for index, raw in enumerate(items):
+        try:
+            item = BatchItemRequest.model_validate(raw)
+            gw.prepare(_openai_request(model, item.model_copy(update={"stream": False})))
+        except ValidationError as e:
+            problems.append((index, validation_error(e.errors())))
+            continue
+        except APIError as e:
+            if e.status >= 500 or e.code == "model_not_found":
+                raise  # about the batch, not the item
+            problems.append((index, e))
+            continue
+        # Batch items never stream, and the run options (rejectIfBusy) do not apply to queued work.
+        body = item.model_dump(exclude={"external_reference", "stream", "options"}, exclude_none=True)
+        valid.append((body, item.external_reference))
+    return valid, problems
+
+
+async def _queue(request: Request, caller: Caller, model: str, body: BatchRequest) -> Response:
+    gw = gateway(request)
+    items, problems = await run_in_threadpool(_validate_items, gw, model, body.requests)
+    if problems:
+        more = f" (and {len(problems) - 1} more invalid requests)" if len(problems) > 1 else ""
+        first_index, first = problems[0]
+        summary = APIError(400, f"requests[{first_index}]: {first.message}{more}", first.code)
+        envelope = streaming.workers_ai_error(summary)
+        envelope["errors"] = [
+            {"code": streaming.workers_ai_code(error), "message": f"requests[{index}]: {error.message}"}
+            for index, error in problems
+        ]
+        return JSONResponse(envelope, status_code=400)
+
+    def store() -> str:
+        with request.app.state.sessions() as session:
+            return batch.submit(
+                session, tenant_id=caller.tenant_id, key_id=caller.key_id, model=model, items=items
+            ).id
+
+    batch_id = await run_in_threadpool(store)
+    runner = getattr(request.app.state, "batch_runner", None)
+    if runner is not None:
+        runner.wake()
+    status = BatchStatus(status="queued", request_id=batch_id, model=model)
+    return JSONResponse(streaming.workers_ai_envelope(status.model_dump()))
+
+
+async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> Response:
+    def load() -> batch.BatchView:
+        with request.app.state.sessions() as session:
+            view = batch.get_batch(session, caller.tenant_id, batch_id)
+            session.expunge_all()
+            return view
+
+    try:
+        view = await run_in_threadpool(load)
+    except tenancy.NotFound as e:
+        raise APIError(404, str(e), "batch_not_found") from None
+    if view.status != "done":
+        status = BatchStatus.model_validate(
+            {"status": view.status, "request_id": view.batch.id, "model": view.batch.model}
+        )
+        return JSONResponse(streaming.workers_ai_envelope(status.model_dump()))
+    responses, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for item in view.items:
+        errors = []
+        if item.status == "completed" and item.result is not None:
+            usage = item.result.get("usage", {})
+            totals["prompt_tokens"] += usage.get("prompt_tokens", 0)
+            totals["completion_tokens"] += usage.get("completion_tokens", 0)
+            totals["cached_tokens"] += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        else:
+            stored = item.error or {}
+            failure = APIError(
+                stored.get("status", 500),
+                stored.get("message", "the request failed"),
+                stored.get("code", "internal_error"),
+            )
+            errors = [Message(code=streaming.workers_ai_code(failure), message=failure.message)]
+        responses.append(
+            BatchResponse(
+                id=item.index,
+                result=RunResult.model_validate(item.result) if item.status == "completed" else None,
+                success=item.status == "completed",
+                external_reference=item.external_reference,
+                errors=errors,
+            )
+        )
+    results = BatchResults(responses=responses, usage=Usage.model_validate(streaming.usage_body(totals)))
+    return JSONResponse(streaming.workers_ai_envelope(results.model_dump()))
+
+
+async def _never_disconnects() -> dict[str, Any]:
+    await anyio.sleep_forever()
+    return {}
+
+
+class BatchDispatch:
+    """Runs one claimed batch item through ``Gateway.prepare`` and ``Gateway.serve``, as an interactive
+    request of the item's tenant and key with its own request id (so quotas are checked now, and its record
+    and ledger entry are its own); and says when a deployment has room for batch work."""
+
+    def __init__(self, gw: Gateway, max_queue_depth: int):
+        self.gw = gw
+        self.max_queue_depth = max_queue_depth  # waiting interactive tasks at which batch items hold back
+
+    async def ready(self, model: str) -> bool:
+        """The deployment has a live entry worker and fewer than ``max_queue_depth`` tasks waiting for it."""
+        try:
+            spec = (await run_in_threadpool(self.gw.catalog.get, model)).spec
+        except APIError:
+            return True  # an unknown or disabled model: let the dispatch fail its items with the reason
+        pool = "serve" if spec.mode == "colocated" else "prefill"
+        ttl = self.gw.settings.worker_heartbeat_ttl_s
+        try:
+            workers = await routing.live_workers(self.gw.redis, spec.name, pool, ttl)
+            if not workers:
+                return False
+            depth = await self.gw.redis.llen(pool_queue(spec.name, pool))
+            for worker in workers:
+                depth += await self.gw.redis.llen(routing.queue_of(worker))
+        except RedisError:
+            return False
+        return depth < self.max_queue_depth
+
+    async def __call__(self, item: batch.Claimed) -> batch.Outcome:
+        try:
+            body = RunRequest.model_validate(item.body)
+            prepared: Prepared = await run_in_threadpool(self.gw.prepare, _openai_request(item.model, body))
+            caller = Caller(tenant_id=item.tenant_id, tenant_name="", key_id=item.key_id or "", key_prefix="")
+            # serve() reads headers, the request id and (to notice a client leaving) receive: a batch item
+            # has no client, so it never leaves.
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": f"/batch/{item.batch_id}/{item.index}",
+                "headers": [],
+                "query_string": b"",
+                "state": {"request_id": item.request_id},
+            }
+            response = await self.gw.serve(
+                Request(scope, _never_disconnects), caller, prepared, "workers_ai", streaming.WorkersAIShape()
+            )
+        except ValidationError as e:
+            return batch.Failed(_error(validation_error(e.errors())))
+        except APIError as e:
+            return _outcome_of(e)
+        return batch.Done(json.loads(bytes(response.body))["result"])
+
+
+# Codes that mean the item never reached a worker (try again later, the attempt not counted), and those
+# that mean the worker running it went away (try again, counted).
+_DEFER_CODES = frozenset(
+    {"no_live_worker", "queue_full", "queue_unavailable", "quota_unavailable", "out_of_capacity"}
+)
+_RETRY_CODES = frozenset({"worker_lost", "stream_unavailable", "timeout", "deadline_exceeded"})
+
+
+def _outcome_of(error: APIError) -> batch.Outcome:
+    if error.status == 429 or error.code in _DEFER_CODES:
+        retry_after = (error.headers or {}).get("Retry-After", "1")
+        return batch.Deferred(float(retry_after) if retry_after.isdigit() else 1.0)
+    if error.code in _RETRY_CODES:
+        return batch.Lost(_error(error))
+    return batch.Failed(_error(error))
+
+
+def _error(error: APIError) -> dict[str, Any]:
+    return {"code": error.code, "message": error.message, "status": error.status}
