@@ -1,0 +1,453 @@
+"""The web UI in a real browser: Debian's Chromium driven by Playwright against a real API process (`tessera
+api`) with real Redis and a seeded database. Sign in, the dashboard's figures equal `GET /v1/usage`, the charts
+draw, the CSV equals the API's, an admin flips a deployment's integrity switch (diff, save, audit), a tenant
+key cannot open /admin, a bad key gets a clear message, a phone screen holds, axe-core finds nothing serious.
+
+Screenshots go to $TESSERA_ARTIFACTS (default tests/artifacts/, gitignored)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from tessera import SHIPPED_MODEL_DIR, db, tenancy
+from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
+
+import billing
+from gpu_workers.protocol import WorkerInfo, worker_queue, workers_key
+
+REPO = Path(__file__).resolve().parents[1]
+REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(os.environ.get("TESSERA_ARTIFACTS") or REPO / "tests" / "artifacts")
+MODELS = ["@tessera/pycode-tiny", "@acme/big", "@acme/small"]
+START, END = "2026-11-01", "2026-11-14"
+WAIT_MS = 30_000
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+
+
+class Server:
+    def __init__(self, url: str, sessions, keys: dict[str, str], deployment: str, key_ids: list[str]):
+        self.url = url
+        self.sessions = sessions
+        self.keys = keys
+        self.deployment = deployment
+        self.key_ids = key_ids
+
+    def api(self, path: str, key: str = "acme", **params) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.keys[key]}"}
+        response = httpx.get(f"{self.url}{path}", params=params, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        return response
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_usage(session, tenant_id: str, key_ids: list[str], tenant: str, n: int) -> None:
+    """``n`` charged requests over two weeks of November 2026, three models and the tenant's keys."""
+    events = []
+    for i in range(n):
+        started = datetime(2026, 11, 1 + i % 14, 9, tzinfo=timezone.utc) + timedelta(seconds=i)
+        events.append(
+            billing.UsageEvent(
+                request_id=f"{tenant}-{i}",
+                tenant_id=tenant_id,
+                key_id=key_ids[i % len(key_ids)],
+                deployment=MODELS[i % 3],
+                model=MODELS[i % 3],
+                status="completed",
+                prompt_tokens=200 + 13 * (i % 17),
+                cached_tokens=32 * (i % 5),
+                output_tokens=20 + 7 * (i % 11),
+                started_at=started,
+                first_token_at=started + timedelta(milliseconds=50),
+                finished_at=started + timedelta(milliseconds=400),
+            )
+        )
+    billing.record_events(session, events)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"the browser tests need Debian's Chromium at {CHROMIUM}: apt-get install -y chromium")
+    r = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1)
+    r.ping()
+    data = tmp_path_factory.mktemp("web-ui")
+    database_url = f"sqlite:///{data / 'tessera.db'}"
+    db.upgrade(database_url)
+    sessions = db.session_factory(db.make_engine(database_url))
+    deployment = f"@test/web-{uuid.uuid4().hex[:8]}"
+    with sessions() as session:
+        acme = tenancy.create_tenant(session, "acme")
+        tenancy.create_tenant(session, "globex")
+        tenancy.create_tenant(session, "ops")
+        acme_keys = [tenancy.create_key(session, "acme", name=f"app-{i}") for i in range(3)]
+        globex_key, globex_raw = tenancy.create_key(session, "globex")
+        _, admin_raw = tenancy.create_key(
+            session, "ops", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN), name="console"
+        )
+        config = {"name": deployment, "checkpoint": str(SHIPPED_MODEL_DIR), "mode": "disaggregated"}
+        tenancy.create_deployment(session, config, actor="test")
+        key_ids = [k.id for k, _ in acme_keys]
+        seed_usage(session, acme.id, key_ids, "acme", 300)
+        seed_usage(session, globex_key.tenant_id, [globex_key.id], "globex", 50)
+    keys = {"acme": acme_keys[0][1], "globex": globex_raw, "admin": admin_raw}
+    port = free_port()
+    env = {
+        **os.environ,
+        "TESSERA_DATA_DIR": str(data),
+        "TESSERA_DATABASE_URL": database_url,
+        "TESSERA_REDIS_URL": REDIS_URL,
+        "TESSERA_SECRET_KEY": "web-ui-test-secret-" * 4,
+        "TESSERA_RECORDS_STREAM": f"tessera:test:records:{uuid.uuid4().hex}",
+    }
+    log = data / "api.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", "tessera.app:create_app", "--port", str(port)],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"the API process exited: {log.read_text()}"
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the API did not start: {log.read_text()}"
+            time.sleep(0.1)
+        yield Server(url, sessions, keys, deployment, key_ids)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        r.delete(env["TESSERA_RECORDS_STREAM"])
+        for pool in ("prefill", "decode", "serve"):
+            r.delete(workers_key(deployment, pool))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def context(browser, server):
+    context = browser.new_context(base_url=server.url, viewport={"width": 1366, "height": 768})
+    context.set_default_timeout(WAIT_MS)
+    yield context
+    context.close()
+
+
+def sign_in(page, key: str, path: str = "/signin"):
+    page.goto(path)
+    page.get_by_label("API key").fill(key)
+    page.get_by_role("button", name="Sign in").click()
+
+
+def wait_ready(page) -> None:
+    page.wait_for_selector("body[data-ready=true]")
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def open_dashboard(page, server) -> None:
+    sign_in(page, server.keys["acme"])
+    page.wait_for_url("**/dashboard")
+    page.goto(f"/dashboard?start={START}&end={END}")
+    wait_ready(page)
+
+
+def canvas_has_pixels(page, canvas_id: str) -> int:
+    """How many pixels of the canvas are painted (alpha > 0)."""
+    return page.evaluate(
+        """(id) => {
+            const canvas = document.getElementById(id);
+            const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+            let painted = 0;
+            for (let i = 3; i < data.length; i += 4) if (data[i] > 0) painted++;
+            return painted;
+        }""",
+        canvas_id,
+    )
+
+
+def table(page, table_id: str) -> list[list[str]]:
+    return page.eval_on_selector_all(
+        f"#{table_id} tbody tr", "rows => rows.map(r => [...r.cells].map(c => c.textContent.trim()))"
+    )
+
+
+def test_sign_in_and_the_dashboard_shows_what_the_usage_api_says(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["acme"])
+    page.wait_for_url("**/dashboard")
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.goto(f"/dashboard?start={START}&end={END}")
+    wait_ready(page)
+    days = server.api("/v1/usage", start=START, end=END, group_by="day", limit=366).json()["data"]
+    models = server.api("/v1/usage", start=START, end=END, group_by="model").json()["data"]
+    keys = server.api("/v1/usage", start=START, end=END, group_by="key").json()["data"]
+    total = lambda field: sum(row[field] for row in days)  # noqa: E731
+    shown = {dd.get_attribute("data-total"): dd.text_content() for dd in page.locator("[data-total]").all()}
+    assert shown["requests"] == f"{total('requests'):,}" == "300"  # acme's only, not globex's 50
+    assert shown["cached_input_tokens"] == f"{total('cached_input_tokens'):,}"
+    assert shown["fresh_input_tokens"] == f"{total('fresh_input_tokens'):,}"
+    assert shown["output_tokens"] == f"{total('output_tokens'):,}"
+    cost = total("cost")
+    assert shown["cost_usd"] == f"{cost // 10**6}.{cost % 10**6:06d}"
+    ratio = 100 * total("cached_input_tokens") / total("input_tokens")
+    assert shown["cache_hit_ratio"] == f"{ratio:.1f}%"
+    price = billing.DEFAULT_PRICES["*"]
+    saved = sum(
+        (m["cached_input_tokens"] * (price.fresh_input - price.cached_input) + 500_000) // 10**6
+        for m in models
+    )
+    assert shown["saved_usd"] == f"{saved // 10**6}.{saved % 10**6:06d}" and saved > 0
+    assert [row[0] for row in table(page, "by-model")] == [m["model"] for m in models]
+    assert [row[5] for row in table(page, "by-model")] == [m["cost_usd"] for m in models]
+    assert sorted(row[0].removesuffix(" (this key)") for row in table(page, "by-key")) == sorted(
+        k["key_id"] for k in keys
+    )
+    assert [row[0] for row in table(page, "by-day")] == [d["day"] for d in days] and len(days) == 14
+    for chart in ("tokens-chart", "cost-chart"):
+        assert canvas_has_pixels(page, chart) > 1000, chart
+    # Bounded: the page, its stylesheet, four scripts and three API calls, whatever the ledger holds.
+    api_calls = [u for u in requests if "/v1/" in u]
+    assert len(api_calls) == 3 and len(requests) == 8, requests
+    assert all(u.startswith(server.url) for u in requests)  # nothing from a CDN
+    shot(page, "dashboard")
+
+
+def test_filters_narrow_the_figures_to_one_model(context, server):
+    page = context.new_page()
+    open_dashboard(page, server)
+    page.get_by_label("Model", exact=True).select_option("@acme/big")
+    page.get_by_role("button", name="Apply").click()
+    page.wait_for_function("() => new URLSearchParams(location.search).get('model') === '@acme/big'")
+    page.wait_for_selector("#by-model tbody tr:only-child")
+    want = server.api("/v1/usage", start=START, end=END, group_by="day", model="@acme/big", limit=366).json()
+    requests = sum(row["requests"] for row in want["data"])
+    page.wait_for_function(
+        "(n) => document.querySelector('[data-total=requests]').textContent === n", arg=f"{requests:,}"
+    )
+    assert table(page, "by-model")[0][0] == "@acme/big"
+
+
+def test_the_csv_download_equals_the_api(context, server):
+    page = context.new_page()
+    open_dashboard(page, server)
+    with page.expect_download() as download:
+        page.get_by_role("link", name="Export CSV").click()
+    got = Path(download.value.path()).read_bytes()
+    want = server.api("/v1/usage", start=START, end=END, group_by="day", limit=366, format="csv").content
+    assert got == want and got.count(b"\n") == 15  # header + 14 days
+
+
+def test_an_admin_switches_integrity_off_with_a_diff_and_the_api_and_audit_agree(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], "/signin?next=/admin")
+    page.wait_for_url("**/admin")
+    wait_ready(page)
+    shot(page, "admin")
+    page.get_by_role("button", name=f"Edit {server.deployment}").click()
+    checkbox = page.get_by_label("Integrity check")
+    assert checkbox.is_checked()
+    checkbox.uncheck()
+    page.get_by_role("button", name="Review changes").click()
+    dialog = page.locator("dialog#confirm")
+    dialog.wait_for(state="visible")
+    assert [row for row in table(page, "diff")] == [["integrity_check", "true", "false"]]
+    shot(page, "admin-diff")
+    dialog.get_by_role("button", name="Save").click()
+    page.wait_for_selector("#deployment-audit tbody tr:has-text('integrity_check: true → false')")
+    deployment = server.api(f"/admin/deployments/{server.deployment}", key="admin").json()
+    assert deployment["integrity_check"] is False
+    audit = server.api(f"/admin/deployments/{server.deployment}/audit", key="admin").json()["data"]
+    newest = audit[0]
+    assert newest["action"] == "update" and newest["changes"] == {"integrity_check": [True, False]}
+    admin_prefix = server.keys["admin"].split("_")[1]
+    assert newest["actor"] == f"key:{admin_prefix}"
+    assert (
+        page.locator("#deployments tbody tr", has_text=server.deployment).locator("td").nth(5).text_content()
+        == "off"
+    )
+
+
+def test_an_invalid_deployment_change_shows_the_apis_message(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], "/signin?next=/admin")
+    wait_ready(page)
+    page.get_by_role("button", name=f"Edit {server.deployment}").click()
+    page.get_by_label("Page size (tokens)").fill("48")
+    page.get_by_role("button", name="Review changes").click()
+    page.locator("dialog#confirm").get_by_role("button", name="Save").click()
+    error = page.locator("#deployment-error")
+    error.wait_for(state="visible")
+    assert "power of two" in error.text_content()
+    assert server.api(f"/admin/deployments/{server.deployment}", key="admin").json()["page_size"] != 48
+
+
+def test_an_admin_creates_a_key_sees_the_secret_once_and_revokes_it(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], "/signin?next=/admin")
+    wait_ready(page)
+    page.get_by_role("button", name="Manage globex").click()
+    page.get_by_label("Name", exact=True).fill("from-the-console")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#secret-value")
+    secret.wait_for(state="visible")
+    raw = secret.text_content()
+    assert raw.startswith("tsk_")
+    assert httpx.get(f"{server.url}/v1/usage", headers={"Authorization": f"Bearer {raw}"}).status_code == 200
+    page.get_by_role("button", name="I have copied it").click()
+    assert raw not in page.content()  # shown once: gone from the page
+    prefix = "tsk_" + raw.split("_")[1]
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name=f"Revoke {prefix}").click()
+    page.get_by_role("button", name=f"Revoke {prefix}").wait_for(state="detached")
+    assert httpx.get(f"{server.url}/v1/usage", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
+
+
+def test_pool_status_refreshes_without_a_reload(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], "/signin?next=/admin")
+    wait_ready(page)
+    page.evaluate("window.__sameDocument = true")
+    info = WorkerInfo(
+        worker_id="web-dc-1",
+        deployment=server.deployment,
+        pool="decode",
+        queue=worker_queue("web-dc-1"),
+        host="test",
+        pid=1,
+        last_seen=time.time() + 60,  # stays live for the whole test
+        kv_pages_total=200,
+        kv_pages_used=50,
+        kv_format="fp8_e4m3",
+        integrity_mismatches=3,
+    )
+    redis.Redis.from_url(REDIS_URL).hset(
+        workers_key(server.deployment, "decode"), info.worker_id, info.to_json()
+    )
+    row = page.locator("#pools tbody tr", has_text=server.deployment).filter(has_text="decode")
+    row.filter(has_text="25.0%").wait_for()
+    cells = row.locator("td").all_text_contents()
+    assert cells[2] == "1" and cells[4] == "25.0%" and cells[5] == "fp8_e4m3" and cells[7] == "3"
+    assert page.evaluate("window.__sameDocument") is True  # the same document: no reload happened
+
+
+def test_a_tenant_key_cannot_open_the_admin_console(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["acme"])
+    page.wait_for_url("**/dashboard")
+    response = page.goto("/admin")
+    assert response.status == 403
+    assert "Admin keys only" in page.locator("h1").text_content()
+    assert page.get_by_role("link", name="Admin").count() == 0
+    shot(page, "admin-forbidden")
+
+
+def test_a_bad_key_shows_a_clear_message(context, server):
+    page = context.new_page()
+    sign_in(page, "tsk_notakey_" + "x" * 40)
+    alert = page.get_by_role("alert")
+    alert.wait_for()
+    assert "not accepted" in alert.text_content() and "tsk_" in alert.text_content()
+    assert page.url.endswith("/signin")
+    assert not [c for c in page.context.cookies() if c["name"] == "tessera_session"]
+    shot(page, "signin-bad-key")
+
+
+def test_sign_out_returns_to_the_sign_in_page_and_the_dashboard_needs_signing_in_again(context, server):
+    page = context.new_page()
+    open_dashboard(page, server)
+    page.get_by_role("button", name="Sign out").click()
+    page.wait_for_url("**/signin")
+    page.goto("/dashboard")
+    assert page.url.endswith("/signin?next=/dashboard")
+
+
+def test_the_session_cookie_is_httponly_and_invisible_to_page_script(context, server):
+    page = context.new_page()
+    open_dashboard(page, server)
+    cookie = next(c for c in context.cookies() if c["name"] == "tessera_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert "tessera_session" not in page.evaluate("document.cookie")
+    stored = page.evaluate("JSON.stringify({...localStorage}) + JSON.stringify({...sessionStorage})")
+    assert server.keys["acme"] not in stored and server.keys["acme"] not in page.content()
+
+
+@pytest.mark.parametrize("path", ["/dashboard", "/admin"])
+def test_a_phone_screen_holds_without_horizontal_overflow(browser, server, path):
+    context = browser.new_context(base_url=server.url, viewport={"width": 390, "height": 844}, is_mobile=True)
+    context.set_default_timeout(WAIT_MS)
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], f"/signin?next={path}")
+    page.wait_for_url(f"**{path}")
+    if path == "/dashboard":
+        page.goto(f"/dashboard?start={START}&end={END}")
+    wait_ready(page)
+    overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
+    assert overflow <= 0, f"{path} is {overflow}px wider than a 390px screen"
+    shot(page, f"phone{path.replace('/', '-')}")
+    context.close()
+
+
+@pytest.mark.parametrize("path", ["/signin", "/dashboard", "/admin"])
+def test_axe_finds_no_serious_or_critical_violations(browser, server, path):
+    # axe is injected as a script of the test, which our own CSP would refuse: this context bypasses it.
+    context = browser.new_context(base_url=server.url, bypass_csp=True)
+    context.set_default_timeout(WAIT_MS)
+    page = context.new_page()
+    if path == "/signin":
+        page.goto(path)
+    else:
+        sign_in(page, server.keys["admin"], f"/signin?next={path}")
+        page.wait_for_url(f"**{path}")
+        wait_ready(page)
+    page.add_script_tag(path=str(REPO / "web" / "static" / "vendor" / "axe-core" / "axe.min.js"))
+    result = page.evaluate("axe.run(document, {resultTypes: ['violations']})")
+    bad = [
+        (v["id"], v["impact"], [n["target"] for n in v["nodes"]][:3])
+        for v in result["violations"]
+        if v["impact"] in ("serious", "critical")
+    ]
+    assert bad == [], bad
+    context.close()

@@ -1,0 +1,306 @@
+// The admin console: one GET each for tenants, deployments and pools on load; the pools refresh every
+// few seconds; a tenant's quotas and keys, and a deployment's audit log, load when it is opened.
+import { ApiError, api, cell, fmt, markReady, query, row, showError } from "./api.js";
+
+const PAGE = 200;
+const POOLS_EVERY_MS = 5000;
+const status = document.getElementById("status");
+const FIELDS = [
+  "checkpoint", "mode", "dtype", "prefill_weights", "decode_weights", "prefill_kv", "decode_kv", "page_size",
+  "kv_budget_bytes", "max_num_seqs", "max_model_len", "max_tokens_limit", "integrity_check", "prefix_cache",
+  "enabled",
+];
+const QUOTAS = ["rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens"];
+const deployments = new Map();
+let tenantsCursor = null;
+let editing = null;
+let pending = null;
+
+function button(label, onClick, className = "secondary") {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = className;
+  b.textContent = label;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+function when(iso) {
+  return iso ? iso.replace("T", " ").slice(0, 19) : "";
+}
+
+function yesNo(value) {
+  return value ? "on" : "off";
+}
+
+// --- pools -------------------------------------------------------------------------------------------
+
+async function loadPools() {
+  const pools = await api("GET", `/admin/pools?${query({ limit: PAGE })}`);
+  document.querySelector("#pools tbody").replaceChildren(
+    ...pools.data.map((p) =>
+      row(
+        cell(p.deployment),
+        cell(p.pool),
+        cell(p.live_workers, { num: true }),
+        cell(fmt.format(p.queue_depth), { num: true }),
+        cell(p.kv_pages_total ? `${((100 * p.kv_pages_used) / p.kv_pages_total).toFixed(1)}%` : "–", { num: true }),
+        cell(p.kv_formats.join(", ") || "–"),
+        cell(p.prefix_cache_hit_rate === null ? "–" : `${(100 * p.prefix_cache_hit_rate).toFixed(1)}%`, { num: true }),
+        cell(fmt.format(p.integrity_mismatches), { num: true }),
+      ),
+    ),
+  );
+  document.getElementById("pools-updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+}
+
+function refreshPools() {
+  if (!document.hidden) loadPools().catch((error) => (status.textContent = error.message));
+}
+
+// --- deployments -------------------------------------------------------------------------------------
+
+function renderDeployments() {
+  document.querySelector("#deployments tbody").replaceChildren(
+    ...[...deployments.values()].map((d) =>
+      row(
+        cell(d.name),
+        cell(d.mode),
+        cell(`${d.prefill_weights} / ${d.decode_weights}`),
+        cell(`${d.prefill_kv} / ${d.decode_kv}`),
+        cell(d.page_size, { num: true }),
+        cell(yesNo(d.integrity_check)),
+        cell(yesNo(d.prefix_cache)),
+        cell(yesNo(d.enabled)),
+        (() => {
+          const td = cell("");
+          const edit = button("Edit", () => openDeployment(d.name));
+          edit.setAttribute("aria-label", `Edit ${d.name}`);
+          td.append(edit);
+          return td;
+        })(),
+      ),
+    ),
+  );
+}
+
+function formValue(name) {
+  const input = document.getElementById(`d-${name}`);
+  if (input.type === "checkbox") return input.checked;
+  if (input.type === "number") return input.value === "" ? null : Number(input.value);
+  return input.value;
+}
+
+async function openDeployment(name) {
+  editing = name;
+  const d = deployments.get(name);
+  const form = document.getElementById("deployment-form");
+  document.getElementById("deployment-name").textContent = name;
+  for (const field of FIELDS) {
+    const input = document.getElementById(`d-${field}`);
+    if (input.type === "checkbox") input.checked = d[field];
+    else input.value = d[field] ?? "";
+  }
+  document.getElementById("deployment-error").hidden = true;
+  form.hidden = false;
+  document.getElementById("d-checkpoint").focus();
+  await loadAudit(name);
+}
+
+async function loadAudit(name) {
+  const audit = await api("GET", `/admin/deployments/${encodeURIComponent(name)}/audit?${query({ limit: 20 })}`);
+  document.querySelector("#deployment-audit tbody").replaceChildren(
+    ...audit.data.map((e) =>
+      row(
+        cell(when(e.at)),
+        cell(e.actor),
+        cell(e.action),
+        cell(
+          Object.entries(e.changes)
+            .map(([field, [before, after]]) => `${field}: ${JSON.stringify(before)} → ${JSON.stringify(after)}`)
+            .join("; "),
+        ),
+      ),
+    ),
+  );
+}
+
+function review(event) {
+  event.preventDefault();
+  const d = deployments.get(editing);
+  const changes = {};
+  for (const field of FIELDS) {
+    const value = formValue(field);
+    if (value !== d[field]) changes[field] = value;
+  }
+  const error = document.getElementById("deployment-error");
+  if (!Object.keys(changes).length) {
+    showError(error, new Error("Nothing changed: edit a field first."));
+    return;
+  }
+  error.hidden = true;
+  pending = changes;
+  document.querySelector("#diff tbody").replaceChildren(
+    ...Object.entries(changes).map(([field, value]) =>
+      row(cell(field), cell(JSON.stringify(d[field])), cell(JSON.stringify(value))),
+    ),
+  );
+  document.getElementById("confirm").showModal();
+}
+
+async function save() {
+  const dialog = document.getElementById("confirm");
+  dialog.close();
+  const error = document.getElementById("deployment-error");
+  const check = document.getElementById("d-check_checkpoint").checked;
+  try {
+    const updated = await api(
+      "PATCH",
+      `/admin/deployments/${encodeURIComponent(editing)}?${query({ check_checkpoint: check })}`,
+      pending,
+    );
+    deployments.set(updated.name, updated);
+    renderDeployments();
+    status.textContent = `Saved ${updated.name}: workers pick the change up as they restart.`;
+    await loadAudit(updated.name);
+  } catch (e) {
+    showError(error, e);
+  }
+}
+
+// --- tenants, quotas, keys ---------------------------------------------------------------------------
+
+async function loadTenants(cursor) {
+  const page = await api("GET", `/admin/tenants?${query({ limit: PAGE, cursor })}`);
+  const body = document.querySelector("#tenants tbody");
+  const rows = page.data.map((t) => {
+    const td = cell("");
+    const manage = button("Manage", () => openTenant(t.name));
+    manage.setAttribute("aria-label", `Manage ${t.name}`);
+    td.append(manage);
+    return row(cell(t.name), cell(t.disabled ? "suspended" : "active"), cell(when(t.created_at)), td);
+  });
+  if (cursor) body.append(...rows);
+  else body.replaceChildren(...rows);
+  tenantsCursor = page.next_cursor;
+  document.getElementById("tenants-more").hidden = !tenantsCursor;
+}
+
+let tenant = null;
+
+async function openTenant(name) {
+  tenant = name;
+  document.getElementById("tenant-panel-name").textContent = name;
+  document.getElementById("tenant-panel").hidden = false;
+  document.getElementById("secret").hidden = true;
+  for (const id of ["quotas-error", "keys-error"]) document.getElementById(id).hidden = true;
+  const [quotas] = await Promise.all([api("GET", `/admin/tenants/${encodeURIComponent(name)}/quotas`), loadKeys()]);
+  for (const field of QUOTAS) document.getElementById(`q-${field}`).value = quotas[field] ?? "";
+  document.getElementById("tenant-panel-h").scrollIntoView();
+}
+
+async function loadKeys() {
+  const keys = await api("GET", `/admin/tenants/${encodeURIComponent(tenant)}/keys?${query({ limit: PAGE })}`);
+  document.querySelector("#keys tbody").replaceChildren(
+    ...keys.data.map((k) => {
+      const td = cell("");
+      if (!k.revoked_at) {
+        const revoke = button("Revoke", () => revokeKey(k), "danger");
+        revoke.setAttribute("aria-label", `Revoke ${k.prefix}`);
+        td.append(revoke);
+      }
+      return row(cell(k.prefix), cell(k.name), cell(k.scopes.join(", ")), cell(when(k.created_at)), cell(when(k.revoked_at)), td);
+    }),
+  );
+}
+
+async function revokeKey(key) {
+  if (!window.confirm(`Revoke ${key.prefix}? Requests with it are refused at once.`)) return;
+  try {
+    await api("DELETE", `/admin/keys/${encodeURIComponent(key.id)}`);
+    await loadKeys();
+  } catch (e) {
+    showError(document.getElementById("keys-error"), e);
+  }
+}
+
+async function createKey(event) {
+  event.preventDefault();
+  const form = event.target;
+  const scopes = [...form.querySelectorAll('input[name="scope"]:checked')].map((i) => i.value);
+  try {
+    const created = await api("POST", `/admin/tenants/${encodeURIComponent(tenant)}/keys`, { name: document.getElementById("key-name").value, scopes });
+    document.getElementById("secret-value").textContent = created.secret;
+    document.getElementById("secret").hidden = false;
+    document.getElementById("keys-error").hidden = true;
+    form.reset();
+    await loadKeys();
+  } catch (e) {
+    showError(document.getElementById("keys-error"), e);
+  }
+}
+
+async function saveQuotas(event) {
+  event.preventDefault();
+  const body = {};
+  for (const field of QUOTAS) {
+    const value = document.getElementById(`q-${field}`).value;
+    body[field] = value === "" ? null : Number(value);
+  }
+  const error = document.getElementById("quotas-error");
+  try {
+    await api("PUT", `/admin/tenants/${encodeURIComponent(tenant)}/quotas`, body);
+    error.hidden = true;
+    status.textContent = `Saved the quotas of ${tenant}.`;
+  } catch (e) {
+    showError(error, e);
+  }
+}
+
+async function createTenant(event) {
+  event.preventDefault();
+  try {
+    const created = await api("POST", "/admin/tenants", { name: document.getElementById("tenant-name").value });
+    event.target.reset();
+    await loadTenants(null);
+    status.textContent = `Created tenant ${created.name}.`;
+  } catch (e) {
+    status.textContent = e.message;
+  }
+}
+
+// --- start -------------------------------------------------------------------------------------------
+
+document.getElementById("deployment-form").addEventListener("submit", review);
+document.getElementById("deployment-cancel").addEventListener("click", () => {
+  document.getElementById("deployment-form").hidden = true;
+});
+document.getElementById("confirm-save").addEventListener("click", save);
+document.getElementById("confirm-cancel").addEventListener("click", () => document.getElementById("confirm").close());
+document.getElementById("tenant-create").addEventListener("submit", createTenant);
+document.getElementById("tenants-more").addEventListener("click", () => loadTenants(tenantsCursor));
+document.getElementById("quotas-form").addEventListener("submit", saveQuotas);
+document.getElementById("key-create").addEventListener("submit", createKey);
+document.getElementById("secret-done").addEventListener("click", () => {
+  document.getElementById("secret-value").textContent = "";
+  document.getElementById("secret").hidden = true;
+});
+
+async function start() {
+  try {
+    const [page] = await Promise.all([
+      api("GET", `/admin/deployments?${query({ limit: PAGE })}`),
+      loadTenants(null),
+      loadPools(),
+    ]);
+    for (const d of page.data) deployments.set(d.name, d);
+    renderDeployments();
+    status.textContent = "";
+  } catch (e) {
+    status.textContent = e instanceof ApiError ? e.message : String(e);
+  }
+  markReady();
+  setInterval(refreshPools, POOLS_EVERY_MS);
+}
+
+start();
