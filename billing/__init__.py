@@ -4,12 +4,29 @@ The ledger API: ``BillingConsumer`` charges the request-outcome stream into the 
 group; exactly-once charging over at-least-once delivery), ``record_events`` writes priced events and their
 rollups in one transaction, ``usage_report`` / ``list_events`` read them back per tenant, and the price book
 (``set_price``, ``list_prices``, ``PriceBook``) holds versioned prices in integer micro-USD per million tokens.
+Invoices (``get_invoice``, ``list_invoices``) bill each event on the period its insert decided, drafts until
+the grace window ends, then final; ``reconcile`` proves ledger = rollups = invoices.
 
 Rounding rule: each token kind of each request is rounded half up to a whole micro-USD,
 ``(tokens * price_per_mtok + 500_000) // 1_000_000``; every total is a sum of those integers.
 """
 
 from billing.consumer import GROUP, BillingConsumer, billing_dead_letters
+from billing.invoices import (
+    DEFAULT_GRACE,
+    KINDS,
+    BadPeriod,
+    InvoiceSummary,
+    InvoiceView,
+    Line,
+    Mismatch,
+    Reconciliation,
+    finalize,
+    get_invoice,
+    list_invoices,
+    parse_period,
+    reconcile,
+)
 from billing.ledger import UsageEvent, price_row, record_events
 from billing.prices import (
     DEFAULT_MODEL,
@@ -20,32 +37,49 @@ from billing.prices import (
     list_prices,
     seed_defaults,
     set_price,
+    usd,
 )
 from billing.rollups import BadCursor, UsageLine, list_events, usage_report
-from billing.schema import NO_KEY, LedgerEvent, Price, Rollup, metadata
+from billing.schema import NO_KEY, Invoice, InvoiceLine, LedgerEvent, Price, Rollup, metadata
 
 __all__ = [
+    "DEFAULT_GRACE",
     "DEFAULT_MODEL",
     "DEFAULT_PRICES",
     "GROUP",
+    "KINDS",
     "NO_KEY",
     "BadCursor",
+    "BadPeriod",
     "BillingConsumer",
+    "Invoice",
+    "InvoiceLine",
+    "InvoiceSummary",
+    "InvoiceView",
     "LedgerEvent",
+    "Line",
+    "Mismatch",
     "Price",
     "PriceBook",
     "PriceSpec",
+    "Reconciliation",
     "Rollup",
     "UsageEvent",
     "UsageLine",
     "amount",
     "billing_dead_letters",
+    "finalize",
+    "get_invoice",
     "list_events",
+    "list_invoices",
     "list_prices",
     "metadata",
+    "parse_period",
     "price_row",
+    "reconcile",
     "record_events",
     "seed_defaults",
     "set_price",
     "usage_report",
+    "usd",
 ]

@@ -4,14 +4,15 @@
 and PostgreSQL alike), then adds only the rows it really inserted to ``billing_rollups`` with
 ``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``, and commits once: an event seen again (duplicate
 emission, redelivery, a consumer restarted after the commit but before its XACK) changes nothing, and the
-ledger and the rollups can never disagree.
+ledger and the rollups can never disagree. Before the insert, each row is given the invoice period it is billed
+on (``billing.invoices.assign_invoice_periods``, which share-locks those invoices until the commit).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
@@ -19,10 +20,12 @@ from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from billing.invoices import DEFAULT_GRACE, assign_invoice_periods
 from billing.prices import PriceBook
-from billing.schema import NO_KEY, LedgerEvent, Rollup
+from billing.schema import NO_KEY, LedgerEvent, Rollup, utcnow
 
 ROLLUP_SUMS = ("requests", "cached_input_tokens", "fresh_input_tokens", "output_tokens", "cost")
+ROLLUP_CHUNK = 500  # rollup rows per upsert statement (9 parameters each: well under SQLite's limit)
 
 
 class UsageEvent(BaseModel):
@@ -92,9 +95,16 @@ def _insert(session: Session, table: Table):
     return (postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert)(table)
 
 
-def record_events(session: Session, events: Iterable[UsageEvent]) -> list[dict[str, Any]]:
+def record_events(
+    session: Session,
+    events: Iterable[UsageEvent],
+    *,
+    grace: timedelta = DEFAULT_GRACE,
+    now: datetime | None = None,
+) -> list[dict[str, Any]]:
     """Price and store ``events``, update the rollups, commit; returns the rows newly inserted (events already
-    in the ledger, or repeated within ``events``, are left out and change nothing)."""
+    in the ledger, or repeated within ``events``, are left out and change nothing). ``grace`` is how long an
+    invoice stays open after its month; ``now`` (default: the clock) decides which invoices have closed."""
     rows: dict[str, dict[str, Any]] = {}
     book = PriceBook(session)
     for event in events:
@@ -102,6 +112,7 @@ def record_events(session: Session, events: Iterable[UsageEvent]) -> list[dict[s
     if not rows:
         return []
     try:
+        assign_invoice_periods(session, rows.values(), now=now or utcnow(), grace=grace)
         table = LedgerEvent.__table__
         stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["request_id"])
         # In request-id order: concurrent writers of overlapping batches lock rows in one order (no deadlock).
@@ -135,5 +146,5 @@ def _add_to_rollups(session: Session, rows: list[dict[str, Any]]) -> None:
         index_elements=["tenant_id", "day", "model", "key_id"],
         set_={name: table.c[name] + stmt.excluded[name] for name in ROLLUP_SUMS},
     )
-    for value in values:  # executemany of an upsert: one statement per rollup row
-        session.execute(stmt, value)
+    for start in range(0, len(values), ROLLUP_CHUNK):  # one multi-row upsert (each key once: summed above)
+        session.execute(stmt.values(values[start : start + ROLLUP_CHUNK]))

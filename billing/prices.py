@@ -50,6 +50,13 @@ def amount(tokens: int, per_mtok: int) -> int:
     return (tokens * per_mtok + 500_000) // 1_000_000
 
 
+def usd(micro: int) -> str:
+    """Micro-USD as an exact decimal string of USD (no floats): 1_500_000 -> "1.500000"."""
+    sign = "-" if micro < 0 else ""
+    whole, frac = divmod(abs(micro), 1_000_000)
+    return f"{sign}{whole}.{frac:06d}"
+
+
 def set_price(
     session: Session, model: str, spec: PriceSpec, *, effective_from: datetime | None = None
 ) -> Price:

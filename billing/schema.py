@@ -14,6 +14,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    ForeignKeyConstraint,
     Index,
     Integer,
     MetaData,
@@ -86,7 +87,11 @@ class LedgerEvent(BillingBase):
     """One priced usage event per request id: written once, never updated."""
 
     __tablename__ = "billing_ledger"
-    __table_args__ = (Index("ix_billing_ledger_tenant_finished", "tenant_id", "finished_at", "request_id"),)
+    __table_args__ = (
+        Index("ix_billing_ledger_tenant_finished", "tenant_id", "finished_at", "request_id"),
+        Index("ix_billing_ledger_finished", "finished_at", "request_id"),  # the admin's list across tenants
+        Index("ix_billing_ledger_tenant_invoice_period", "tenant_id", "invoice_period"),
+    )
 
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(String(32))
@@ -108,6 +113,9 @@ class LedgerEvent(BillingBase):
     started_at: Mapped[datetime]
     finished_at: Mapped[datetime]
     day: Mapped[date]  # finished_at's UTC day: the rollup it counts in
+    # The "YYYY-MM" invoice it is billed on, decided at insert (billing.invoices): its own month's, unless
+    # that one was already closed, then the next open one's (an adjustment line naming day's month).
+    invoice_period: Mapped[str] = mapped_column(String(7))
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -125,3 +133,44 @@ class Rollup(BillingBase):
     fresh_input_tokens: Mapped[int] = mapped_column(BigInteger)
     output_tokens: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[int] = mapped_column(BigInteger)  # micro-USD
+
+
+class Invoice(BillingBase):
+    """A tenant's invoice of one calendar month (``period``, "YYYY-MM"): ``draft`` (its lines are computed
+    from the ledger on every read) until finalised, then ``final`` with stored lines that never change."""
+
+    __tablename__ = "billing_invoices"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    period: Mapped[str] = mapped_column(String(7), primary_key=True)
+    status: Mapped[str] = mapped_column(String(8))  # "draft" or "final"
+    total: Mapped[int | None] = mapped_column(BigInteger)  # micro-USD, stored when final
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finalized_at: Mapped[datetime | None]
+
+
+class InvoiceLine(BillingBase):
+    """One stored line of a final invoice: a model's tokens of one kind at one price version, used in
+    ``usage_period`` (the invoice's own period, or an earlier one for an adjustment)."""
+
+    __tablename__ = "billing_invoice_lines"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["tenant_id", "period"],
+            ["billing_invoices.tenant_id", "billing_invoices.period"],
+            name="fk_billing_invoice_lines_invoice",
+        ),
+        Index("ix_billing_invoice_lines_tenant_period", "tenant_id", "period"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    period: Mapped[str] = mapped_column(String(7))
+    usage_period: Mapped[str] = mapped_column(String(7))
+    model: Mapped[str] = mapped_column(String(200))
+    price_id: Mapped[int | None] = mapped_column(ForeignKey("billing_prices.id"))
+    kind: Mapped[str] = mapped_column(String(16))  # "cached_input", "fresh_input" or "output"
+    requests: Mapped[int] = mapped_column(BigInteger)
+    quantity: Mapped[int] = mapped_column(BigInteger)  # tokens
+    unit_price_per_mtok: Mapped[int] = mapped_column(BigInteger)  # micro-USD per 1e6 tokens
+    amount: Mapped[int] = mapped_column(BigInteger)  # micro-USD: the sum of the requests' rounded amounts
