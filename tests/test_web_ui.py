@@ -343,6 +343,22 @@ def test_an_admin_creates_a_key_sees_the_secret_once_and_revokes_it(context, ser
     page.get_by_role("button", name=f"Revoke {prefix}").click()
     page.get_by_role("button", name=f"Revoke {prefix}").wait_for(state="detached")
     assert httpx.get(f"{server.url}/v1/usage", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
+    # The audit log on the page shows both changes, by this admin's key, as GET /admin/audit does.
+    bare = raw.split("_")[1]
+    actor = f"key:{server.keys['admin'].split('_')[1]}"
+    page.wait_for_function(
+        """(target) => [...document.querySelectorAll("#audit tbody tr")].some(
+            (r) => r.cells[3].textContent === target && r.cells[2].textContent === "revoke")""",
+        arg=f"key {bare}",
+    )
+    shown = [r for r in table(page, "audit") if r[3] == f"key {bare}"]
+    assert [(r[1], r[2]) for r in shown] == [(actor, "revoke"), (actor, "create")]
+    events = server.api("/admin/audit", key="admin", target_type="key").json()["data"]
+    assert [(e["actor"], e["action"]) for e in events if e["target"] == bare] == [
+        (actor, "revoke"),
+        (actor, "create"),
+    ]
+    assert raw not in page.content()  # the audit entry never holds the secret
 
 
 def test_pool_status_refreshes_without_a_reload(context, server):

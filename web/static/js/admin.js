@@ -1,4 +1,4 @@
-// The admin console: one GET each for tenants, deployments and pools on load; the pools refresh every
+// The admin console: one GET each for tenants, deployments, pools and the audit log on load; the pools refresh every
 // few seconds; a tenant's quotas and keys, and a deployment's audit log, load when it is opened.
 import { ApiError, api, cell, fmt, markReady, query, row, showError } from "./api.js";
 
@@ -168,6 +168,31 @@ async function save() {
   }
 }
 
+// --- audit log (tenants, keys, quotas) -----------------------------------------------------------------
+
+let auditCursor = null;
+
+function compact(values) {
+  return values === null ? "" : JSON.stringify(values);
+}
+
+async function loadAuditLog(cursor = null) {
+  const targetType = document.getElementById("audit-type").value;
+  const page = await api("GET", `/admin/audit?${query({ limit: 50, target_type: targetType, cursor })}`);
+  const rows = page.data.map((e) =>
+    row(cell(when(e.at)), cell(e.actor), cell(e.action), cell(`${e.target_type} ${e.target}`), cell(compact(e.before)), cell(compact(e.after))),
+  );
+  const body = document.querySelector("#audit tbody");
+  if (cursor) body.append(...rows);
+  else body.replaceChildren(...rows);
+  auditCursor = page.next_cursor;
+  document.getElementById("audit-more").hidden = !auditCursor;
+}
+
+function refreshAuditLog() {
+  loadAuditLog().catch((error) => (status.textContent = error.message));
+}
+
 // --- tenants, quotas, keys ---------------------------------------------------------------------------
 
 async function loadTenants(cursor) {
@@ -219,6 +244,7 @@ async function revokeKey(key) {
   try {
     await api("DELETE", `/admin/keys/${encodeURIComponent(key.id)}`);
     await loadKeys();
+    refreshAuditLog();
   } catch (e) {
     showError(document.getElementById("keys-error"), e);
   }
@@ -235,6 +261,7 @@ async function createKey(event) {
     document.getElementById("keys-error").hidden = true;
     form.reset();
     await loadKeys();
+    refreshAuditLog();
   } catch (e) {
     showError(document.getElementById("keys-error"), e);
   }
@@ -252,6 +279,7 @@ async function saveQuotas(event) {
     await api("PUT", `/admin/tenants/${encodeURIComponent(tenant)}/quotas`, body);
     error.hidden = true;
     status.textContent = `Saved the quotas of ${tenant}.`;
+    refreshAuditLog();
   } catch (e) {
     showError(error, e);
   }
@@ -264,6 +292,7 @@ async function createTenant(event) {
     event.target.reset();
     await loadTenants(null);
     status.textContent = `Created tenant ${created.name}.`;
+    refreshAuditLog();
   } catch (e) {
     status.textContent = e.message;
   }
@@ -281,6 +310,8 @@ document.getElementById("tenant-create").addEventListener("submit", createTenant
 document.getElementById("tenants-more").addEventListener("click", () => loadTenants(tenantsCursor));
 document.getElementById("quotas-form").addEventListener("submit", saveQuotas);
 document.getElementById("key-create").addEventListener("submit", createKey);
+document.getElementById("audit-type").addEventListener("change", refreshAuditLog);
+document.getElementById("audit-more").addEventListener("click", () => loadAuditLog(auditCursor));
 document.getElementById("secret-done").addEventListener("click", () => {
   document.getElementById("secret-value").textContent = "";
   document.getElementById("secret").hidden = true;
@@ -292,6 +323,7 @@ async function start() {
       api("GET", `/admin/deployments?${query({ limit: PAGE })}`),
       loadTenants(null),
       loadPools(),
+      loadAuditLog(),
     ]);
     for (const d of page.data) deployments.set(d.name, d);
     renderDeployments();
