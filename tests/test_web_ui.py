@@ -7,6 +7,8 @@ Screenshots go to $TESSERA_ARTIFACTS (default tests/artifacts/, gitignored)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import socket
 import subprocess
@@ -248,9 +250,12 @@ def test_sign_in_and_the_dashboard_shows_what_the_usage_api_says(context, server
     assert [row[0] for row in table(page, "by-day")] == [d["day"] for d in days] and len(days) == 14
     for chart in ("tokens-chart", "cost-chart"):
         assert canvas_has_pixels(page, chart) > 1000, chart
-    # Bounded: the page, its stylesheet, four scripts and three API calls, whatever the ledger holds.
+    invoices = server.api("/v1/invoices").json()["data"]
+    assert [r[0] for r in table(page, "invoices")] == [i["period"] for i in invoices] and invoices
+    assert [r[3] for r in table(page, "invoices")] == [i["total_usd"] for i in invoices]
+    # Bounded: the page, its stylesheet, four scripts and four API calls, whatever the ledger holds.
     api_calls = [u for u in requests if "/v1/" in u]
-    assert len(api_calls) == 3 and len(requests) == 8, requests
+    assert len(api_calls) == 4 and len(requests) == 9, requests
     assert all(u.startswith(server.url) for u in requests)  # nothing from a CDN
     shot(page, "dashboard")
 
@@ -278,6 +283,16 @@ def test_the_csv_download_equals_the_api(context, server):
     got = Path(download.value.path()).read_bytes()
     want = server.api("/v1/usage", start=START, end=END, group_by="day", limit=366, format="csv").content
     assert got == want and got.count(b"\n") == 15  # header + 14 days
+    # The CSV's money is the invoice's: every seeded request is in November 2026.
+    rows = list(csv.DictReader(io.StringIO(got.decode())))
+    invoice = server.api("/v1/invoices/2026-11").json()
+    assert sum(int(r["cost"]) for r in rows) == invoice["subtotal"] == invoice["total"] > 0
+    page.get_by_role("button", name="Invoice 2026-11").click()
+    page.locator("#invoice").wait_for(state="visible")
+    assert page.locator("#invoice-total").text_content() == invoice["total_usd"]
+    lines = table(page, "invoice-lines")
+    assert [line[6] for line in lines] == [line["amount_usd"] for line in invoice["lines"]]
+    shot(page, "dashboard-invoice")
 
 
 def test_an_admin_switches_integrity_off_with_a_diff_and_the_api_and_audit_agree(context, server):

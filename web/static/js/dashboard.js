@@ -1,4 +1,5 @@
-// The usage dashboard: three GETs of /v1/usage (per day, model and key) whatever the data size.
+// The usage dashboard: three GETs of /v1/usage (per day, model and key) and one of /v1/invoices, whatever
+// the data size; an invoice's lines load when it is opened.
 import { api, cell, fmt, markReady, query, row, usd } from "./api.js";
 
 const MAX_DAYS = 366;
@@ -159,7 +160,49 @@ async function load() {
     status.textContent = error.message;
     status.classList.add("error");
   }
-  markReady();
+}
+
+async function openInvoice(period) {
+  const invoice = await api("GET", `/v1/invoices/${encodeURIComponent(period)}`);
+  document.getElementById("invoice-period").textContent = `${invoice.period} (${invoice.status})`;
+  document.querySelector("#invoice-lines tbody").replaceChildren(
+    ...invoice.lines.map((l) =>
+      row(
+        cell(l.adjustment ? `${l.usage_period} (late)` : l.usage_period),
+        cell(l.model),
+        cell(l.kind.replace("_", " ")),
+        cell(fmt.format(l.requests), { num: true }),
+        cell(fmt.format(l.quantity), { num: true }),
+        cell(l.unit_price_usd, { num: true }),
+        cell(l.amount_usd, { num: true }),
+      ),
+    ),
+  );
+  document.getElementById("invoice-total").textContent = invoice.total_usd;
+  document.getElementById("invoice").hidden = false;
+}
+
+async function loadInvoices() {
+  const note = document.getElementById("invoices-status");
+  try {
+    const page = await api("GET", `/v1/invoices?${query({ limit: 12 })}`);
+    document.querySelector("#invoices tbody").replaceChildren(
+      ...page.data.map((inv) => {
+        const open = document.createElement("button");
+        open.type = "button";
+        open.className = "secondary";
+        open.textContent = inv.period;
+        open.setAttribute("aria-label", `Invoice ${inv.period}`);
+        open.addEventListener("click", () => openInvoice(inv.period).catch((e) => (note.textContent = e.message)));
+        const first = cell("");
+        first.append(open);
+        return row(first, cell(inv.status), cell(inv.closes_at.slice(0, 10)), cell(inv.total_usd, { num: true }));
+      }),
+    );
+    note.textContent = page.data.length ? "" : "No invoices yet.";
+  } catch (error) {
+    note.textContent = error.status === 404 ? "This server does not serve invoices." : error.message;
+  }
 }
 
 form.addEventListener("submit", (event) => {
@@ -171,4 +214,4 @@ form.addEventListener("submit", (event) => {
 });
 
 initialFilters();
-load();
+Promise.all([load(), loadInvoices()]).then(markReady);
