@@ -220,6 +220,7 @@ def summarize(outcomes: list[Outcome], duration_s: float, slo_ms: dict[str, floa
         "total_token_throughput": round((output + prompt) / duration_s, 2),
         "goodput": round(len(good) / duration_s, 3) if slo_ms else None,
         "prompt_tokens": prompt,
+        "cached_tokens": sum(o.cached_tokens for o in ok),
         "output_tokens": output,
         "cached_token_share": round(sum(o.cached_tokens for o in ok) / prompt, 4) if prompt else 0.0,
         "ttft_ms": _distribution([o.ttft for o in ok if o.ttft is not None]),
