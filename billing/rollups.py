@@ -52,7 +52,7 @@ class UsageLine:
 
 def usage_report(
     session: Session,
-    tenant_id: str,
+    tenant_id: str | None,
     *,
     start: date,
     end: date,
@@ -62,8 +62,8 @@ def usage_report(
     cursor: str | None = None,
     limit: int = 100,
 ) -> tuple[list[UsageLine], str | None]:
-    """``tenant_id``'s usage on the UTC days ``start`` to ``end`` (both included), one line per group, in
-    group order; returns (lines, the cursor of the next page or None)."""
+    """``tenant_id``'s usage (None: every tenant's) on the UTC days ``start`` to ``end`` (both included), one
+    line per group, in group order; returns (lines, the cursor of the next page or None)."""
     column = GROUP_COLUMNS[group_by]
     query = (
         select(
@@ -74,11 +74,13 @@ def usage_report(
             func.sum(Rollup.output_tokens),
             func.sum(Rollup.cost),
         )
-        .where(Rollup.tenant_id == tenant_id, Rollup.day >= start, Rollup.day <= end)
+        .where(Rollup.day >= start, Rollup.day <= end)
         .group_by(column)
         .order_by(column)
         .limit(min(limit, MAX_LIMIT) + 1)
     )
+    if tenant_id is not None:
+        query = query.where(Rollup.tenant_id == tenant_id)
     if model is not None:
         query = query.where(Rollup.model == model)
     if key_id is not None:
@@ -108,7 +110,7 @@ def _midnight(day: date) -> datetime:
 
 def list_events(
     session: Session,
-    tenant_id: str,
+    tenant_id: str | None,
     *,
     start: date,
     end: date,
@@ -117,19 +119,21 @@ def list_events(
     cursor: str | None = None,
     limit: int = 100,
 ) -> tuple[list[LedgerEvent], str | None]:
-    """``tenant_id``'s ledger events that finished on the UTC days ``start`` to ``end``, oldest first."""
+    """``tenant_id``'s ledger events (None: every tenant's) that finished on the UTC days ``start`` to ``end``,
+    oldest first. The (tenant_id, finished_at, request_id) index serves a tenant's, (finished_at, request_id)
+    everyone's."""
     limit = min(limit, MAX_LIMIT)
     query = (
         select(LedgerEvent)
         .where(
-            LedgerEvent.tenant_id
-            == tenant_id,  # the (tenant_id, finished_at, request_id) index serves it all
             LedgerEvent.finished_at >= _midnight(start),
             LedgerEvent.finished_at < _midnight(end + timedelta(days=1)),
         )
         .order_by(LedgerEvent.finished_at, LedgerEvent.request_id)
         .limit(limit + 1)
     )
+    if tenant_id is not None:
+        query = query.where(LedgerEvent.tenant_id == tenant_id)
     if model is not None:
         query = query.where(LedgerEvent.model == model)
     if key_id is not None:

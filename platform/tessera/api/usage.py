@@ -1,7 +1,10 @@
 """Usage for the caller's tenant: ``GET /v1/usage`` (from billing's rollups) and ``GET /v1/usage/requests``
 (raw ledger events). Every list is cursor-paginated; no route shows another tenant's data (the tenant is the
 caller key's, never a parameter). Money is integer micro-USD (``cost``) plus the same as an exact decimal
-string of USD (``cost_usd``)."""
+string of USD (``cost_usd``).
+
+``admin_router``: the same across tenants for admin keys, ``GET /admin/usage`` and ``/admin/usage/requests``
+(every tenant's, or one's with ``?tenant=NAME``)."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 import billing
+from tessera import tenancy
 from tessera.api.admin_schemas import ErrorResponse
-from tessera.api.deps import CurrentCaller, current_caller
+from tessera.api.deps import CurrentCaller, current_caller, require_admin
 from tessera.errors import APIError
 
 MAX_DAYS = 366
@@ -31,13 +35,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     )
 }
 router = APIRouter(tags=["usage"], dependencies=[Depends(current_caller)], responses=_ERRORS)
-
-
-def usd(micro: int) -> str:
-    """Micro-USD as an exact decimal string of USD (no floats)."""
-    sign = "-" if micro < 0 else ""
-    whole, frac = divmod(abs(micro), 1_000_000)
-    return f"{sign}{whole}.{frac:06d}"
+_ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    403: {"model": ErrorResponse, "description": "the key lacks the admin scope"},
+    404: {"model": ErrorResponse, "description": "no such tenant"},
+}
+admin_router = APIRouter(
+    prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses=_ADMIN_ERRORS
+)
 
 
 class UsageRow(BaseModel):
@@ -126,12 +131,27 @@ def get_usage(
     format: Literal["json", "csv"] = "json",
 ) -> Any:
     """The caller's tenant's usage per day, model or key, summed from the rollups."""
+    return _usage(request, caller.tenant_id, start, end, group_by, model, key, cursor, limit, format)
+
+
+def _usage(
+    request: Request,
+    tenant_id: str | None,
+    start: date | None,
+    end: date | None,
+    group_by: Literal["day", "model", "key"],
+    model: str | None,
+    key: str | None,
+    cursor: str | None,
+    limit: int,
+    format: Literal["json", "csv"],
+) -> Any:
     start, end = _range(start, end)
     with request.app.state.sessions() as session:
         try:
             lines, next_cursor = billing.usage_report(
                 session,
-                caller.tenant_id,
+                tenant_id,
                 start=start,
                 end=end,
                 group_by=group_by,
@@ -152,7 +172,7 @@ def get_usage(
             input_tokens=line.cached_input_tokens + line.fresh_input_tokens,
             output_tokens=line.output_tokens,
             cost=line.cost,
-            cost_usd=usd(line.cost),
+            cost_usd=billing.usd(line.cost),
         )
         for line in lines
     ]
@@ -181,12 +201,29 @@ def get_usage_requests(
     limit: Limit = 100,
 ) -> UsageEventPage:
     """The caller's tenant's ledger events (one per request), oldest first."""
+    events, next_cursor, start, end = _events(
+        request, caller.tenant_id, start, end, model, key, cursor, limit
+    )
+    data = [_event_out(UsageEventOut, e) for e in events]
+    return UsageEventPage(start=start, end=end, data=data, next_cursor=next_cursor)
+
+
+def _events(
+    request: Request,
+    tenant_id: str | None,
+    start: date | None,
+    end: date | None,
+    model: str | None,
+    key: str | None,
+    cursor: str | None,
+    limit: int,
+) -> tuple[list[Any], str | None, date, date]:
     start, end = _range(start, end)
     with request.app.state.sessions() as session:
         try:
             events, next_cursor = billing.list_events(
                 session,
-                caller.tenant_id,
+                tenant_id,
                 start=start,
                 end=end,
                 model=model,
@@ -196,11 +233,81 @@ def get_usage_requests(
             )
         except billing.BadCursor as exc:
             raise APIError(400, str(exc), "invalid_request", param="cursor") from None
-    data = [
-        UsageEventOut(
-            **{name: getattr(e, name) for name in UsageEventOut.model_fields if name != "cost_usd"},
-            cost_usd=usd(e.cost),
-        )
-        for e in events
-    ]
-    return UsageEventPage(start=start, end=end, data=data, next_cursor=next_cursor)
+    return events, next_cursor, start, end
+
+
+def _event_out(model: type[UsageEventOut], e: Any) -> UsageEventOut:
+    return model(
+        **{name: getattr(e, name) for name in model.model_fields if name != "cost_usd"},
+        cost_usd=billing.usd(e.cost),
+    )
+
+
+# --- admin: across tenants -------------------------------------------------------------------------------
+
+
+class AdminUsageEventOut(UsageEventOut):
+    tenant_id: str
+
+
+class AdminUsageEventPage(BaseModel):
+    object: Literal["list"] = "list"
+    start: date
+    end: date
+    data: list[AdminUsageEventOut]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
+
+
+TenantFilter = Annotated[
+    str | None, Query(description="only this tenant's (its name); default: every tenant")
+]
+
+
+def _tenant_id(request: Request, name: str | None) -> str | None:
+    if name is None:
+        return None
+    with request.app.state.sessions() as session:
+        try:
+            return tenancy.get_tenant(session, name).id
+        except tenancy.NotFound as exc:
+            raise APIError(404, str(exc), "not_found", param="tenant") from None
+
+
+@admin_router.get(
+    "/usage",
+    response_model=UsagePage,
+    responses={200: {"content": {"text/csv": {}}, "description": "the page (JSON, or CSV with format=csv)"}},
+)
+def admin_get_usage(
+    request: Request,
+    tenant: TenantFilter = None,
+    start: Start = None,
+    end: End = None,
+    group_by: Literal["day", "model", "key"] = "day",
+    model: str | None = None,
+    key: Annotated[str | None, Query(description="only this API key's usage (its id)")] = None,
+    cursor: str | None = None,
+    limit: Limit = 100,
+    format: Literal["json", "csv"] = "json",
+) -> Any:
+    """Usage per day, model or key of every tenant together (or of ``tenant``), summed from the rollups."""
+    tenant_id = _tenant_id(request, tenant)
+    return _usage(request, tenant_id, start, end, group_by, model, key, cursor, limit, format)
+
+
+@admin_router.get("/usage/requests", response_model=AdminUsageEventPage)
+def admin_get_usage_requests(
+    request: Request,
+    tenant: TenantFilter = None,
+    start: Start = None,
+    end: End = None,
+    model: str | None = None,
+    key: Annotated[str | None, Query(description="only this API key's requests (its id)")] = None,
+    cursor: str | None = None,
+    limit: Limit = 100,
+) -> AdminUsageEventPage:
+    """Ledger events of every tenant (or of ``tenant``), oldest first, each naming its tenant."""
+    tenant_id = _tenant_id(request, tenant)
+    events, next_cursor, start, end = _events(request, tenant_id, start, end, model, key, cursor, limit)
+    data = [_event_out(AdminUsageEventOut, e) for e in events]
+    return AdminUsageEventPage(start=start, end=end, data=data, next_cursor=next_cursor)

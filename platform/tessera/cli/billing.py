@@ -1,15 +1,21 @@
 """``tessera billing prices set|show``: the price book (``billing.prices``), in integer micro-USD per million
 tokens. A new price is a new version, effective from ``--effective-from`` (default: now); requests already
-in the ledger keep the version they were priced with."""
+in the ledger keep the version they were priced with.
+
+``tessera billing invoice --tenant T --period YYYY-MM``: a tenant's invoice (``billing.invoices``; a closed
+draft is finalised on the way, as the API does). ``tessera billing reconcile --period P [--tenant T]``:
+ledger = rollups = invoices to the micro-USD, and no ended request without a ledger event; exit 1 if not."""
 
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
+import json
+import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from tessera.cli.admin import emit, open_session
+from tessera.cli.admin import emit, json_default, open_session, rich_console, settings_from
 from tessera.cli.common import CliError
 
 
@@ -23,7 +29,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    group = subparsers.add_parser("billing", help="the price book (usage is at GET /v1/usage)")
+    group = subparsers.add_parser(
+        "billing", help="prices, invoices and reconciliation (usage is at GET /v1/usage)"
+    )
     commands = group.add_subparsers(dest="billing_command", required=True, metavar="COMMAND")
     prices = commands.add_parser("prices", help="set or show model prices")
     actions = prices.add_subparsers(dest="prices_command", required=True, metavar="ACTION")
@@ -48,6 +56,25 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("model", nargs="?", help="only this model")
     show.set_defaults(func=cmd_prices_show)
 
+    invoice = commands.add_parser(
+        "invoice", parents=[common], help="a tenant's invoice of one month: lines per model and token kind"
+    )
+    invoice.add_argument("--tenant", required=True, help="the tenant's name")
+    invoice.add_argument("--period", required=True, type=period, metavar="YYYY-MM", help="the month")
+    invoice.set_defaults(func=cmd_invoice)
+    check = commands.add_parser(
+        "reconcile",
+        parents=[common],
+        help="prove ledger = rollups = invoices for a month; list ended requests without a ledger event",
+        description="Exits 1 on any mismatch or missing event, 0 when everything agrees.",
+    )
+    check.add_argument("--period", required=True, type=period, metavar="YYYY-MM", help="the month")
+    check.add_argument("--tenant", help="only this tenant (its name); default: every tenant")
+    check.add_argument(
+        "--limit", type=int, default=100, metavar="N", help="missing events listed at most (default 100)"
+    )
+    check.set_defaults(func=cmd_reconcile)
+
 
 def micro_usd(value: str) -> int:
     try:
@@ -65,6 +92,136 @@ def aware_datetime(value: str) -> datetime:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an ISO 8601 date or time, got {value!r}") from None
     return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def period(value: str) -> str:
+    import billing
+
+    try:
+        return billing.parse_period(value)
+    except billing.BadPeriod as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _tenant_id(session: Any, name: str) -> str:
+    from tessera import tenancy
+
+    try:
+        return tenancy.get_tenant(session, name).id
+    except tenancy.NotFound as exc:
+        raise CliError(str(exc)) from None
+
+
+def cmd_invoice(args: argparse.Namespace) -> None:
+    import billing
+    from tessera.api.invoices import InvoiceOut
+
+    grace = timedelta(days=settings_from(args).invoice_grace_days)
+    with open_session(args) as session:
+        view = billing.get_invoice(session, _tenant_id(session, args.tenant), args.period, grace=grace)
+    if view is None:
+        raise CliError(f"tenant {args.tenant!r} has no invoice for {args.period}: no usage is billed on it")
+    out = InvoiceOut.of(view)
+    if args.json:
+        print(out.model_dump_json())
+        return
+    from rich.table import Table
+
+    when = out.finalized_at if out.status == "final" else out.closes_at
+    title = f"Invoice {out.period} of {args.tenant} ({out.status}, {'finalised' if out.status == 'final' else 'closes'} {when:%Y-%m-%d %H:%M UTC})"
+    table = Table(title=title)
+    for column in ("used in", "model", "kind", "price v.", "requests", "tokens", "USD / 1M", "amount USD"):
+        table.add_column(
+            column, justify="right" if column in ("requests", "tokens", "USD / 1M", "amount USD") else "left"
+        )
+    for line in out.lines:
+        table.add_row(
+            line.usage_period + (" (adjustment)" if line.adjustment else ""),
+            line.model,
+            line.kind,
+            "-" if line.price_version is None else str(line.price_version),
+            str(line.requests),
+            str(line.quantity),
+            line.unit_price_usd,
+            line.amount_usd,
+        )
+    table.add_section()
+    table.add_row("subtotal", "", "", "", "", "", "", out.subtotal_usd)
+    table.add_row("adjustments", "", "", "", "", "", "", out.adjustments_usd)
+    table.add_row("total", "", "", "", "", "", "", out.total_usd)
+    rich_console().print(table)
+
+
+def missing_events(session: Any, period: str, tenant_id: str | None, limit: int) -> tuple[int, list[dict]]:
+    """Request records that ended in ``period`` with no ledger event: (how many, the first ``limit``)."""
+    from sqlalchemy import exists, func, select
+
+    import billing
+    from tessera.models import FINAL_STATUSES, RequestRecord
+
+    first, last = billing.invoices.period_days(period)
+    start = datetime.combine(first, datetime.min.time(), tzinfo=timezone.utc)
+    end = datetime.combine(last + timedelta(days=1), datetime.min.time(), tzinfo=timezone.utc)
+    where = [
+        RequestRecord.status.in_(FINAL_STATUSES),
+        RequestRecord.finished_at >= start,
+        RequestRecord.finished_at < end,
+        ~exists().where(billing.LedgerEvent.request_id == RequestRecord.request_id),
+    ]
+    if tenant_id is not None:
+        where.append(RequestRecord.tenant_id == tenant_id)
+    count = session.scalar(select(func.count()).select_from(RequestRecord).where(*where))
+    query = select(RequestRecord).where(*where).order_by(RequestRecord.finished_at).limit(limit)
+    rows = [
+        {
+            "request_id": r.request_id,
+            "tenant_id": r.tenant_id,
+            "model": r.model,
+            "status": r.status,
+            "finished_at": r.finished_at,
+        }
+        for r in session.scalars(query)
+    ]
+    return count, rows
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    import billing
+
+    if args.limit < 0:
+        raise CliError(f"--limit must be 0 or more, got {args.limit}", exit_code=2)
+    grace = timedelta(days=settings_from(args).invoice_grace_days)
+    with open_session(args) as session:
+        tenant_id = _tenant_id(session, args.tenant) if args.tenant else None
+        result = billing.reconcile(session, args.period, tenant_id=tenant_id, grace=grace)
+        missing, listed = missing_events(session, args.period, tenant_id, args.limit)
+    ok = result.ok and missing == 0
+    summary = {
+        "period": result.period,
+        "ok": ok,
+        "tenants": result.tenants,
+        "used_events": result.used_events,
+        "billed_events": result.billed_events,
+        "ledger_cost": result.ledger_cost,
+        "invoice_total": result.invoice_total,
+        "mismatches": [vars(m) for m in result.mismatches],
+        "missing_events": missing,
+        "missing": listed,
+    }
+    if args.json:
+        print(json.dumps(summary, default=json_default))
+        return 0 if ok else 1
+    print(
+        f"{result.period}: {result.tenants} tenants, {result.used_events} events used in the month, "
+        f"{result.billed_events} billed on its invoices, ledger {billing.usd(result.ledger_cost)} USD, "
+        f"invoices {billing.usd(result.invoice_total)} USD"
+    )
+    if result.mismatches:
+        emit(args, [vars(m) for m in result.mismatches], title="Mismatches (ledger vs the other)")
+    if missing:
+        emit(args, listed, title=f"Ended requests without a ledger event ({missing})")
+    print("OK: ledger = rollups = invoices" if ok else "MISMATCH", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def cmd_prices_set(args: argparse.Namespace) -> None:
