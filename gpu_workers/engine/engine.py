@@ -45,6 +45,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
+        self.dtype = config.compute_dtype
+        log.info("engine computes in %s (%s)", self.dtype.name, self.dtype.reason)
         self.model = model
         self.tokenizer = tokenizer
         model_config = model.config
@@ -416,6 +418,8 @@ class Engine:
         is current; two of them may straddle a step."""
         cache = self.pages.prefix_cache
         return {
+            "dtype": self.dtype.name,
+            "dtype_reason": self.dtype.reason,
             "kv_capacity_tokens": self.pages.capacity_tokens,
             "kv_pages_total": self.pages.num_pages,
             "kv_pages_used": self.pages.num_used,

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from gpu_workers.engine.dtype import DTYPES, DtypeChoice, resolve_dtype
+
 # The error code of every request of an engine that stopped for good (``Engine.failed``): a device error, or
 # steps that kept failing. A worker reports it as ``worker_lost`` and exits so that it is restarted.
 ENGINE_FAILED = "engine_failed"
@@ -24,7 +25,7 @@ class InvalidRequest(ValueError):
 
 @dataclass
 class EngineConfig:
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs where bf16 is fast, else fp32 (engine.dtype)
     kv_budget_bytes: int = 256 * 2**20
     page_size: int = 16
     max_num_seqs: int = 64
@@ -42,8 +43,8 @@ class EngineConfig:
     prefix_cache_secret: bytes | None = None  # keys tenant salts; None draws a random one per engine
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.weights not in ("auto", "bf16", "fp8", "int4"):
@@ -59,8 +60,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
+    def compute_dtype(self) -> DtypeChoice:
+        """The dtype the model computes in: ``dtype``, or what "auto" resolves to on ``device``."""
+        return resolve_dtype(self.dtype, self.device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return self.compute_dtype.torch_dtype
 
     @property
     def kv_dtype(self) -> torch.dtype:

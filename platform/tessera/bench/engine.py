@@ -71,7 +71,7 @@ def run_engine_bench(
     report = {
         "date": date.today().isoformat(),
         "model": str(model_dir),
-        "dtype": engine.config.dtype,
+        "dtype": engine.dtype.name,
         "max_tokens": max_tokens,
         "prompt_lengths": [MIN_PROMPT, MAX_PROMPT],
         "repeat": repeat,
