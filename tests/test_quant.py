@@ -20,9 +20,10 @@ from gpu_workers.formats.weights import (
     quantize_int4,
     unpack_int4,
 )
+from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference
 from gpu_workers.model import load_model
 from gpu_workers.quant.config import QuantConfig
-from gpu_workers.quant.linear import Fp8Linear, Int4Linear
+from gpu_workers.quant.linear import Fp8Linear, Int4Linear, _identity
 from gpu_workers.tools import capacity
 from gpu_workers.tools.metrics import compare_models, token_windows
 from gpu_workers.tools.quantize import quantize_checkpoint
@@ -62,6 +63,85 @@ def test_int4_round_trip_errs_by_half_a_step_inside_the_grid(symmetric, cols):
     assert (error[inside] <= 0.5 + 1e-4).all()
     assert (error <= 1 + 1e-2).all()
     assert error.mean() == pytest.approx(0.25, abs=0.03)  # uniform rounding error
+
+
+def int4_layer(rows: int, cols: int, group: int, symmetric: bool, bias: bool) -> Int4Linear:
+    torch.manual_seed(rows + cols + group)
+    layer = Int4Linear(cols, rows, bias, torch.float32, group, symmetric)
+    w = torch.randn(rows, cols) * 0.05
+    w[1] += 0.5  # an all-positive row: its zero point leaves 0..15
+    layer.load_dense(w)
+    if bias:
+        layer.bias.data.copy_(torch.randn(rows))
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "group", "symmetric", "bias"),
+    [
+        (64, 256, 128, False, False),
+        (48, 256, 32, True, True),
+        (32, 64, 128, False, False),  # one group wider than the input: x is zero-padded
+        (32, 200, 64, False, True),  # a ragged last group of 8
+        (16, 768, 256, True, False),
+    ],
+)
+def test_cpu_packed_int4_kernel_computes_our_dequantised_weights(rows, cols, group, symmetric, bias):
+    layer = int4_layer(rows, cols, group, symmetric, bias)
+    x = torch.randn(3, 5, cols)
+    dense = dequantize_int4(layer.weight_packed, layer.weight_scale, layer.weight_zero, group, torch.float32)
+    reference = torch.nn.functional.linear(
+        x.double(), dense.double(), None if layer.bias is None else layer.bias.double()
+    )
+    out = layer(x)
+    assert out.shape == (3, 5, rows) and out.dtype == torch.float32
+    # Only the summation order differs from float64 over the same weights: a wrong group, zero or nibble
+    # mapping would be off by a whole quantisation step.
+    assert (out.double() - reference).abs().max() < 1e-5 * reference.abs().max()
+    pack, groups = layer.cpu_pack(torch.float32), -(-cols // group)
+    # Half a byte per (padded) weight, an fp32 scale and offset per group: the checkpoint's bytes, bar
+    # scales twice as wide as bf16.
+    assert pack.nbytes == rows * groups * group // 2 + rows * groups * 2 * 4
+
+
+def test_cpu_packed_int4_in_bf16_matches_the_bf16_reference():
+    layer = int4_layer(64, 256, 128, False, False)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    args = (layer.weight_packed, layer.weight_scale, layer.weight_zero, 128)
+    reference = int4_linear_reference(x.float(), *args)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - reference).abs().max() < 2**-6 * reference.abs().max()
+
+
+def test_int4_layers_the_cpu_kernel_cannot_take_run_the_reference():
+    layer = int4_layer(24, 64, 16, False, False)  # 24 outputs and groups of 16: not in torch's kernel
+    x = torch.randn(2, 64)
+    args = (layer.weight_packed, layer.weight_scale, layer.weight_zero, 16)
+    assert torch.equal(layer(x), int4_linear_reference(x, *args))
+
+
+def test_cpu_int4_pack_follows_a_reloaded_weight(monkeypatch):
+    layer = int4_layer(32, 128, 64, False, False)
+    x = torch.randn(2, 128)
+    before = layer(x)
+    layer.load_state_dict({**layer.state_dict(), "weight_scale": layer.weight_scale * 2})
+    assert torch.allclose(layer(x), before * 2, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("TESSERA_KERNELS", "reference")  # the per-call dequantising path, same numbers
+    assert torch.allclose(layer(x), before * 2, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_layer_on_cpu_dequantises_once_and_matches_the_reference():
+    layer = Fp8Linear(96, 32, True, torch.float32)
+    layer.load_dense(torch.randn(32, 96))
+    layer.bias.data.copy_(torch.randn(32))
+    x = torch.randn(3, 96)
+    expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias)
+    assert torch.equal(layer(x), expected)
+    dense = layer._dense.get((x.dtype, *_identity(layer.weight, layer.weight_scale)), None)
+    assert dense is not None and dense.dtype == torch.float32  # kept from the first call
+    layer.load_dense(torch.randn(32, 96))
+    assert torch.equal(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
 
 
 def test_int4_packs_even_columns_in_the_low_nibble():

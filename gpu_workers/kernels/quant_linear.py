@@ -5,16 +5,24 @@
   a bf16 value) and applies the channel scale once to the accumulator.
 - INT4 (W4A16): group-quantised weights (``formats.weights``). The reference dequantises the whole weight
   and calls ``F.linear``; the kernel (``int4_linear_triton``) unpacks and dequantises tiles in registers,
-  so only the packed bytes cross memory.
+  so only the packed bytes cross memory. On CPU, torch's packed int4 kernel (``Int4CpuPack``): the codes
+  are repacked once into its tiled layout, our zero points folded into its per-group offsets.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.formats.weights import dequantize_fp8_weight, dequantize_int4
-from gpu_workers.kernels import use_triton
+from gpu_workers.formats.weights import SYMMETRIC_ZERO, dequantize_fp8_weight, dequantize_int4, unpack_int4
+from gpu_workers.kernels import kernel_mode, use_triton
+
+# What torch's CPU int4 kernel takes: these group sizes, output channels in multiples of 16, activations
+# in these dtypes. Any other layer runs the reference.
+INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)
+INT4_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fp8_linear_reference(
@@ -60,3 +68,70 @@ def int4_linear(
 
         return int4_linear_triton(x, weight_packed, weight_scale, weight_zero, group_size, bias)
     return int4_linear_reference(x, weight_packed, weight_scale, weight_zero, group_size, bias)
+
+
+@dataclass(frozen=True)
+class Int4CpuPack:
+    """One int4 weight in the layout of ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+
+    Torch dequantises ``(q - 8) * scale + offset`` per group; ours is ``(q - zero) * scale``, so
+    ``offset = (8 - zero) * scale``. In fp32 both products are exact (an 8-bit bf16 scale times a small
+    integer), so the kernel sees exactly our weights. A ragged last group is padded with code 0 columns
+    that meet zero-padded activations.
+    """
+
+    weight: torch.Tensor  # torch's tiled uint8 packing of [out, padded_in] codes
+    scales_and_offsets: torch.Tensor  # [groups, out, 2] in the activations' dtype
+    group_size: int
+    in_features: int  # padded_in - in_features zero columns are appended to x
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales_and_offsets.nbytes
+
+
+def use_cpu_weights(x: torch.Tensor) -> bool:
+    """Whether a quantised linear over ``x`` runs on weights prepared once (torch's packed int4 kernel, fp8
+    dequantised once): on CPU, unless ``TESSERA_KERNELS`` forces the references."""
+    return x.device.type == "cpu" and kernel_mode() == "auto"
+
+
+def int4_cpu_supported(out_features: int, group_size: int, dtype: torch.dtype) -> bool:
+    return group_size in INT4_CPU_GROUP_SIZES and out_features % 16 == 0 and dtype in INT4_CPU_DTYPES
+
+
+def prepack_int4_cpu(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero: torch.Tensor | None,
+    group_size: int,
+    dtype: torch.dtype,
+) -> Int4CpuPack:
+    """Our int4 encoding (``formats.weights``) as torch's CPU int4 kernel reads it, for activations in
+    ``dtype``; check ``int4_cpu_supported`` first."""
+    codes = unpack_int4(weight_packed).to(torch.int32)
+    rows, cols = codes.shape
+    padded = weight_scale.shape[1] * group_size
+    codes = F.pad(codes, (0, padded - cols))
+    scale = weight_scale.float()
+    zero = SYMMETRIC_ZERO if weight_zero is None else weight_zero.float()
+    offsets = (SYMMETRIC_ZERO - zero) * scale
+    return Int4CpuPack(
+        weight=torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
+        scales_and_offsets=torch.stack((scale, offsets), dim=2).transpose(0, 1).to(dtype).contiguous(),
+        group_size=group_size,
+        in_features=cols,
+    )
+
+
+def int4_linear_cpu(x: torch.Tensor, pack: Int4CpuPack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W.T + bias through torch's packed int4 CPU kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    padding = pack.scales_and_offsets.shape[0] * pack.group_size - pack.in_features
+    if padding:
+        rows = F.pad(rows, (0, padding))
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        rows.contiguous(), pack.weight, pack.group_size, pack.scales_and_offsets
+    )
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias

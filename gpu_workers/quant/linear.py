@@ -2,15 +2,27 @@
 
 Their tensors are buffers named as in the checkpoint (``<module>.weight_packed`` ...), so the loader fills
 them by name. ``load_dense`` quantises an unquantised weight into them: quantising at load time.
+
+On CPU the first forward prepares the weights once for the activations' dtype (int4: torch's packed int4
+layout; fp8: dequantised, as CPU torch has no fast fp8 matmul) and reuses them until a buffer changes.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.formats.weights import SCALE_DTYPE, quantize_fp8_weight, quantize_int4
-from gpu_workers.kernels.quant_linear import fp8_linear, int4_linear
+from gpu_workers.formats.weights import SCALE_DTYPE, dequantize_fp8_weight, quantize_fp8_weight, quantize_int4
+from gpu_workers.kernels.quant_linear import (
+    Int4CpuPack,
+    fp8_linear,
+    int4_cpu_supported,
+    int4_linear,
+    int4_linear_cpu,
+    prepack_int4_cpu,
+    use_cpu_weights,
+)
 from gpu_workers.quant.config import QuantConfig
 
 
@@ -23,13 +35,21 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.uint8))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
+        self._dense = _Prepared()
 
     def load_dense(self, weight: torch.Tensor) -> None:
         q = quantize_fp8_weight(weight.to(self.weight.device))
         self.weight.copy_(q.weight)
         self.weight_scale.copy_(q.weight_scale)
+        self._dense.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_cpu_weights(x):
+            key = (x.dtype, *_identity(self.weight, self.weight_scale))
+            dense = self._dense.get(
+                key, lambda: dequantize_fp8_weight(self.weight, self.weight_scale, x.dtype)
+            )
+            return F.linear(x, dense, self.bias)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
 
@@ -59,6 +79,7 @@ class Int4Linear(nn.Module):
         else:
             self.register_buffer("weight_zero", torch.empty(out_features, groups, dtype=SCALE_DTYPE))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
+        self._cpu_pack = _Prepared()
 
     def load_dense(self, weight: torch.Tensor) -> None:
         q = quantize_int4(weight.to(self.weight_packed.device), self.group_size, self.symmetric)
@@ -66,11 +87,47 @@ class Int4Linear(nn.Module):
         self.weight_scale.copy_(q.weight_scale)
         if q.weight_zero is not None:
             self.weight_zero.copy_(q.weight_zero)
+        self._cpu_pack.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_cpu_weights(x) and int4_cpu_supported(self.out_features, self.group_size, x.dtype):
+            return int4_linear_cpu(x, self.cpu_pack(x.dtype), self.bias)
         return int4_linear(
             x, self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, self.bias
         )
+
+    def cpu_pack(self, dtype: torch.dtype) -> Int4CpuPack:
+        """This weight in torch's CPU int4 layout for activations in ``dtype``, packed once."""
+        key = (dtype, *_identity(self.weight_packed, self.weight_scale, self.weight_zero))
+        return self._cpu_pack.get(
+            key,
+            lambda: prepack_int4_cpu(
+                self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, dtype
+            ),
+        )
+
+
+def _identity(*buffers: torch.Tensor | None) -> tuple[int, ...]:
+    """Changes when a buffer is replaced (``.to``, ``to_empty``) or written in place through autograd's
+    view of it (``copy_``, ``load_state_dict``); ``load_dense`` clears the cache itself."""
+    return tuple(v for b in buffers if b is not None for v in (b.data_ptr(), b._version))
+
+
+class _Prepared:
+    """One derived form of a layer's weights, kept while ``key`` (dtype, buffer versions) stays the same.
+    Not a buffer: ``state_dict`` and the checkpoint hold only the stored format."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value = None
+
+    def get(self, key: tuple, make):
+        if self._key != key:
+            self._value, self._key = make(), key
+        return self._value
+
+    def clear(self) -> None:
+        self._key = self._value = None
 
 
 QuantLinear = Fp8Linear | Int4Linear
