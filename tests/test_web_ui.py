@@ -250,6 +250,7 @@ def test_sign_in_and_the_dashboard_shows_what_the_usage_api_says(context, server
     assert [row[0] for row in table(page, "by-day")] == [d["day"] for d in days] and len(days) == 14
     for chart in ("tokens-chart", "cost-chart"):
         assert canvas_has_pixels(page, chart) > 1000, chart
+    page.wait_for_selector("body[data-invoices=ready]")
     invoices = server.api("/v1/invoices").json()["data"]
     assert [r[0] for r in table(page, "invoices")] == [i["period"] for i in invoices] and invoices
     assert [r[3] for r in table(page, "invoices")] == [i["total_usd"] for i in invoices]
