@@ -1,5 +1,6 @@
 """Where quota limits are configured: a tenant's limits and a key's override in the database (shared by the CLI
-and the admin API), and the short-lived cached lookup the gateway turns into ``tessera.quotas`` scopes.
+and the admin API), and the short-lived cached lookup the gateway turns into ``tessera.quotas`` scopes; and the
+gateway's cached view of the price book, which spend budgets reserve against and responses report.
 
 A key's override replaces only the limits it sets; the gateway enforces the tenant's limits over all its keys
 and, for a key with an override, the merged limits over that key alone.
@@ -9,16 +10,21 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import fields
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime
+from typing import Any
 
+from cachetools import TTLCache
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from billing.prices import DEFAULT_MODEL, amount, list_prices
 from tessera import tenancy
 from tessera.models import ApiKey, QuotaLimits, Tenant
 from tessera.quotas import LIMITS, Limits, Scope
 
 CACHE_TTL_S = 1.0  # an admin's change reaches every API process within about this long
+PRICE_TTL_S = 5.0  # a new price version reaches every API process's budgets and responses within this long
 MAX_LIMIT = 10**15  # Redis' Lua numbers are doubles: stay far below 2**53
 
 
@@ -60,10 +66,12 @@ def get_key_limits(session: Session, key_prefix: str) -> Limits | None:
     return None if row is None else _limits(row)
 
 
-def set_limits(session: Session, tenant: str, limits: Limits, key_prefix: str | None = None) -> Limits:
+def set_limits(
+    session: Session, tenant: str, limits: Limits, key_prefix: str | None = None, *, actor: str | None = None
+) -> Limits:
     """Replace the tenant's limits (or, with ``key_prefix``, that key's override) with ``limits``; a limit left
     unset is unlimited (for a key: the tenant's applies). Setting no limit at all removes a key's override.
-    Every API process applies the change within ``CACHE_TTL_S``."""
+    Every API process applies the change within ``CACHE_TTL_S``. Audited (``tenancy.audit``) with the change."""
     validate_limits(limits)
     owner = _tenant(session, tenant)
     key: ApiKey | None = None
@@ -76,6 +84,20 @@ def set_limits(session: Session, tenant: str, limits: Limits, key_prefix: str | 
             )
     scope = key_scope(key.id) if key is not None else tenant_scope(owner.id)
     row = session.get(QuotaLimits, scope)
+    # Audited in the same transaction as the change (committed below), so neither exists without the other.
+    before = None if key is not None and row is None else _limits(row)
+    after = None if key is not None and limits.unlimited else limits
+    if before != after:
+        tenancy.audit(
+            session,
+            actor=actor,
+            action="set",
+            target_type="quota",
+            target=f"key:{key.prefix}" if key is not None else f"tenant:{owner.name}",
+            tenant_id=owner.id,
+            before=None if before is None else asdict(before),
+            after=None if after is None else asdict(after),
+        )
     if key is not None and limits.unlimited:
         if row is not None:
             session.delete(row)
@@ -154,3 +176,114 @@ def _limits(row: QuotaLimits | None) -> Limits:
     if row is None:
         return Limits()
     return Limits(**{f.name: getattr(row, f.name) for f in fields(Limits)})
+
+
+# --- prices on the hot path ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PriceVersion:
+    """One version of a model's price (``billing.Price``), detached from the database."""
+
+    id: int
+    version: int
+    effective_from: datetime
+    fresh_input: int  # micro-USD per million tokens
+    cached_input: int
+    output: int
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A request's cost in micro-USD per token kind, priced and rounded exactly as the ledger prices it."""
+
+    price: PriceVersion | None
+    cached_input: int
+    fresh_input: int
+    output: int
+    cached_discount: int  # what the cached tokens would have cost at the fresh price, less what they cost
+
+    @property
+    def total(self) -> int:
+        return self.cached_input + self.fresh_input + self.output
+
+    def usage_fields(self) -> dict[str, Any]:
+        """``usage.cost`` (USD, a number, as OpenAI-compatible providers report it) and its breakdown."""
+        return {
+            "cost": self.total / 1e6,
+            "cost_details": {
+                "currency": "USD",
+                "micro_usd": self.total,
+                "cached_input": self.cached_input / 1e6,
+                "fresh_input": self.fresh_input / 1e6,
+                "output": self.output / 1e6,
+                "cached_input_discount": self.cached_discount / 1e6,
+                "price_version": self.price.version if self.price else None,
+            },
+        }
+
+
+def max_cost(price: PriceVersion | None, prompt_tokens: int, max_tokens: int) -> int:
+    """The most a request can cost at ``price``: every prompt token fresh, every allowed output token produced."""
+    if price is None:
+        return 0
+    return amount(prompt_tokens, price.fresh_input) + amount(max_tokens, price.output)
+
+
+def charge(price: PriceVersion | None, usage: dict[str, int]) -> Charge:
+    """What the ledger records at ``price`` for a request with ``usage`` (prompt, cached, completion tokens)."""
+    if price is None:
+        return Charge(None, 0, 0, 0, 0)
+    prompt = usage.get("prompt_tokens", 0)
+    cached = min(usage.get("cached_tokens", 0), prompt)  # as the outcome clamps a worker's overcount
+    cached_cost = amount(cached, price.cached_input)
+    return Charge(
+        price,
+        cached_cost,
+        amount(prompt - cached, price.fresh_input),
+        amount(usage.get("completion_tokens", 0), price.output),
+        amount(cached, price.fresh_input) - cached_cost,
+    )
+
+
+class PriceCache:
+    """The price book as the gateway reads it: each model's versions (and the default's) loaded at most once
+    per ``ttl_s``, so a request prices without a database query. Prices as ``billing`` does a request of the
+    same model started at the same time. Sync: the gateway calls it from a thread."""
+
+    def __init__(self, sessions: sessionmaker[Session], ttl_s: float = PRICE_TTL_S, max_models: int = 1024):
+        self.sessions = sessions
+        self._cache: TTLCache[str, tuple[PriceVersion, ...]] = TTLCache(max_models, ttl_s)
+        self._lock = threading.Lock()
+
+    def at(self, model: str, when: datetime) -> PriceVersion | None:
+        """The version in effect at ``when`` for ``model``, else for the default row (as ``billing.PriceBook``)."""
+        for name in (model, DEFAULT_MODEL):
+            for price in self._versions(name):
+                if price.effective_from <= when:
+                    return price
+        return None
+
+    def _versions(self, model: str) -> tuple[PriceVersion, ...]:
+        with self._lock:
+            hit = self._cache.get(model)
+        if hit is not None:
+            return hit
+        with self.sessions() as session:
+            rows = list_prices(session, model)
+            versions = tuple(
+                PriceVersion(
+                    p.id,
+                    p.version,
+                    p.effective_from,
+                    p.fresh_input_per_mtok,
+                    p.cached_input_per_mtok,
+                    p.output_per_mtok,
+                )
+                for p in rows
+            )
+        # Newest first, as billing.PriceBook orders them: the first one in effect wins.
+        versions = tuple(sorted(versions, key=lambda p: (p.effective_from, p.version), reverse=True))
+        with self._lock:
+            self._cache[model] = versions
+        return versions

@@ -7,7 +7,11 @@ Limits, each optional (None = unlimited):
   settled to the actual usage when the request ends);
 - ``concurrency``: requests in flight, held as leases that expire unless renewed, so a gateway that dies
   mid-request cannot leak a slot;
-- ``daily_tokens`` / ``monthly_tokens``: token budgets per UTC day / month, reserved and settled like tpm.
+- ``daily_tokens`` / ``monthly_tokens``: token budgets per UTC day / month, reserved and settled like tpm;
+- ``monthly_spend``: a spend budget per UTC month in integer micro-USD. Admission reserves the request's most
+  expensive outcome (every prompt token at the fresh price, ``max_tokens`` at the output price); the end
+  settles it to the request's priced cost (cached tokens at the cached price), or to nothing when it failed
+  before producing a token.
 
 A request rejected by one limit consumes none of the others. Time comes from Redis (``TIME``), so every
 replica agrees on the window. Redis unreachable raises ``QuotaUnavailable``: the gateway fails closed.
@@ -21,7 +25,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, fields
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import anyio
 from redis.asyncio import Redis
@@ -32,7 +36,8 @@ log = logging.getLogger(__name__)
 WINDOW_MS = 60_000
 LEASE_TTL_MS = 30_000  # a lease not renewed for this long is dropped (its gateway died)
 PREFIX = "tessera:quota"
-LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens")
+LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens", "monthly_spend")
+BUDGETS = ("daily_tokens", "monthly_tokens", "monthly_spend")  # limits that reset with the UTC day or month
 _UNLIMITED = -1
 SETTLE_TIMEOUT_S = 5.0
 
@@ -44,6 +49,7 @@ class Limits:
     concurrency: int | None = None
     daily_tokens: int | None = None
     monthly_tokens: int | None = None
+    monthly_spend: int | None = None  # micro-USD per UTC month
 
     def merged(self, override: Limits | None) -> Limits:
         """These limits with every limit ``override`` sets replacing ours."""
@@ -91,20 +97,30 @@ class Decision:
     requests: Window | None = None  # the tightest rpm window over the scopes
     tokens: Window | None = None  # the tightest tpm window over the scopes
     limit_value: int | None = None  # the value of the limit that rejected the request
+    resets_at: datetime | None = None  # when a rejecting budget resets (the start of the next UTC day/month)
 
     def message(self) -> str:
         """Why the request was rejected and when to retry, for the error body."""
-        what = _DESCRIBE.get(self.limit or "", "{} quota").format(self.limit_value)
+        value = self.limit_value
+        what = _DESCRIBE.get(self.limit or "", "{} quota").format(
+            usd(value) if self.limit == "monthly_spend" and value is not None else value
+        )
         who = (self.scope or "").split(":", 1)[0] or "tenant"
+        when = f"in {duration(self.retry_after_ms)}"
+        if self.resets_at is not None:
+            when = f"on {self.resets_at:%Y-%m-%d %H:%M} UTC ({when})"
         return (
             f"{what} for this {'API key' if who == 'key' else who} exceeded; "
-            f"it resets in {duration(self.retry_after_ms)}: retry then, or ask for a higher limit"
+            f"it resets {when}: retry then, or ask for a higher limit"
         )
 
     @property
     def code(self) -> str:
-        """``rate_limit_exceeded`` for the per-minute and concurrency limits, ``quota_exceeded`` for budgets."""
-        return "quota_exceeded" if self.limit in ("daily_tokens", "monthly_tokens") else "rate_limit_exceeded"
+        """``rate_limit_exceeded`` for the per-minute and concurrency limits, ``quota_exceeded`` for token
+        budgets, ``spend_budget_exceeded`` for the spend budget."""
+        if self.limit == "monthly_spend":
+            return "spend_budget_exceeded"
+        return "quota_exceeded" if self.limit in BUDGETS else "rate_limit_exceeded"
 
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers (durations spelled as OpenAI does: ``1s``, ``6m0s``)."""
@@ -126,7 +142,16 @@ _DESCRIBE = {
     "concurrency": "limit of {} requests in flight",
     "daily_tokens": "daily budget of {} tokens",
     "monthly_tokens": "monthly budget of {} tokens",
+    "monthly_spend": "monthly spend budget of {} (this request may cost up to its prompt at the fresh price "
+    "plus max_tokens at the output price)",
 }
+
+
+def usd(micro_usd: int) -> str:
+    """``$12.50``, ``$0.000125``: micro-USD as dollars, cents always shown, no digit lost."""
+    dollars, micros = divmod(micro_usd, 1_000_000)
+    cents = f"{micros:06d}".rstrip("0").ljust(2, "0")
+    return f"${dollars:,}.{cents}"
 
 
 class QuotaUnavailable(Exception):
@@ -147,8 +172,9 @@ def duration(ms: int) -> str:
     return f"{secs}s"
 
 
-# KEYS per scope (6 each): rpm log, tpm log, tpm amounts, leases, day counter, month counter.
-# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, then 5 limits per scope.
+# KEYS per scope (7 each): rpm log, tpm log, tpm amounts, leases, day counter, month counter, month spend.
+# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, cost (micro-USD), then 6 limits
+# per scope.
 # Returns {admitted, failing scope index (1-based, 0 = none), failing limit index, retry ms,
 #          per scope: rpm used, rpm reset ms, tpm used, tpm reset ms}.
 _ADMIT = """
@@ -157,7 +183,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid, tokens = ARGV[1], tonumber(ARGV[2])
 local window, lease_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local day_ttl, month_ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
-local nscopes = #KEYS / 6
+local cost = tonumber(ARGV[7])
+local nscopes = #KEYS / 7
 
 local function expire_tokens(log, amounts)
   local old = redis.call('ZRANGEBYSCORE', log, '-inf', now - window)
@@ -178,12 +205,12 @@ end
 local state = {}
 local fail_scope, fail_limit, retry = 0, 0, 0
 for s = 1, nscopes do
-  local k = (s - 1) * 6
+  local k = (s - 1) * 7
   local rpm_log, tpm_log, amounts, leases = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local day, month = KEYS[k + 5], KEYS[k + 6]
-  local a = 6 + (s - 1) * 5
+  local day, month, spend = KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]
+  local a = 7 + (s - 1) * 6
   local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local daily, monthly = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local daily, monthly, spend_cap = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
   redis.call('ZREMRANGEBYSCORE', rpm_log, '-inf', now - window)
   expire_tokens(tpm_log, amounts)
   redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
@@ -203,13 +230,15 @@ for s = 1, nscopes do
       fail_scope, fail_limit, retry = s, 4, day_ttl * 1000
     elseif monthly >= 0 and tonumber(redis.call('GET', month) or '0') + tokens > monthly then
       fail_scope, fail_limit, retry = s, 5, month_ttl * 1000
+    elseif spend_cap >= 0 and tonumber(redis.call('GET', spend) or '0') + cost > spend_cap then
+      fail_scope, fail_limit, retry = s, 6, month_ttl * 1000
     end
   end
 end
 
 local out = {fail_scope == 0 and 1 or 0, fail_scope, fail_limit, retry}
 for s = 1, nscopes do
-  local k = (s - 1) * 6
+  local k = (s - 1) * 7
   if fail_scope == 0 then
     redis.call('ZADD', KEYS[k + 1], now, rid)
     redis.call('PEXPIRE', KEYS[k + 1], window)
@@ -224,6 +253,8 @@ for s = 1, nscopes do
     redis.call('EXPIRE', KEYS[k + 5], day_ttl + 3600)
     redis.call('INCRBY', KEYS[k + 6], tokens)
     redis.call('EXPIRE', KEYS[k + 6], month_ttl + 3600)
+    redis.call('INCRBY', KEYS[k + 7], cost)
+    redis.call('EXPIRE', KEYS[k + 7], month_ttl + 3600)
     state[s][1] = state[s][1] + 1
     state[s][3] = state[s][3] + tokens
     if state[s][2] == 0 then state[s][2] = window end
@@ -234,12 +265,14 @@ end
 return out
 """
 
-# KEYS per scope (4 each): tpm amounts, leases, day counter, month counter.
-# ARGV: request id, tokens to give back (reserved - actual, may be negative), release lease (1/0).
+# KEYS per scope (5 each): tpm amounts, leases, day counter, month counter, month spend.
+# ARGV: request id, tokens to give back (reserved - actual, may be negative), release lease (1/0),
+# micro-USD to give back (reserved - actual cost, may be negative).
 _SETTLE = """
 local rid, delta, release = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
-for s = 1, #KEYS / 4 do
-  local k = (s - 1) * 4
+local cost_delta = tonumber(ARGV[4])
+for s = 1, #KEYS / 5 do
+  local k = (s - 1) * 5
   local amounts = KEYS[k + 1]
   local held = redis.call('HGET', amounts, rid)
   if held then  -- still inside the tpm window: correct the reservation there too
@@ -253,6 +286,9 @@ for s = 1, #KEYS / 4 do
         redis.call('INCRBY', counter, -delta)
       end
     end
+  end
+  if cost_delta ~= 0 and redis.call('EXISTS', KEYS[k + 5]) == 1 then
+    redis.call('INCRBY', KEYS[k + 5], -cost_delta)
   end
   if release then redis.call('ZREM', KEYS[k + 2], rid) end
 end
@@ -271,17 +307,28 @@ return 1
 """
 
 
-def _period_keys(scope: Scope, now: datetime) -> tuple[str, str]:
-    return scope.key(f"day:{now:%Y-%m-%d}"), scope.key(f"month:{now:%Y-%m}")
+def _period_keys(scope: Scope, now: datetime) -> tuple[str, str, str]:
+    """The scope's counters for ``now``'s UTC day and month: tokens per day, tokens per month, spend per month."""
+    return (
+        scope.key(f"day:{now:%Y-%m-%d}"),
+        scope.key(f"month:{now:%Y-%m}"),
+        scope.key(f"spend:{now:%Y-%m}"),
+    )
+
+
+def _period_ends(now: datetime) -> tuple[datetime, datetime]:
+    """The ends of ``now``'s UTC day and month: when a daily and a monthly budget reset."""
+    day_end = datetime(now.year, now.month, now.day, tzinfo=timezone.utc) + timedelta(days=1)
+    last = calendar.monthrange(now.year, now.month)[1]
+    month_end = datetime(now.year, now.month, last, tzinfo=timezone.utc) + timedelta(days=1)
+    return day_end, month_end
 
 
 def _period_ttls(now: datetime) -> tuple[int, int]:
     """Seconds until the end of the UTC day and month: when a budget resets."""
-    day_end = datetime(now.year, now.month, now.day, tzinfo=timezone.utc).timestamp() + 86400
-    last = calendar.monthrange(now.year, now.month)[1]
-    month_end = datetime(now.year, now.month, last, tzinfo=timezone.utc).timestamp() + 86400
+    day_end, month_end = _period_ends(now)
     ts = now.timestamp()
-    return max(int(day_end - ts), 1), max(int(month_end - ts), 1)
+    return max(int(day_end.timestamp() - ts), 1), max(int(month_end.timestamp() - ts), 1)
 
 
 @dataclass(frozen=True)
@@ -292,6 +339,7 @@ class Reservation:
     scopes: tuple[Scope, ...]
     tokens: int
     day: datetime
+    cost: int = 0  # micro-USD reserved against spend budgets
 
 
 class Quotas:
@@ -306,18 +354,27 @@ class Quotas:
         self._renew = redis.register_script(_RENEW)
 
     async def admit(
-        self, request_id: str, scopes: list[Scope], tokens: int
+        self, request_id: str, scopes: list[Scope], tokens: int, cost: int = 0
     ) -> tuple[Decision, Reservation | None]:
-        """Check every limit of every scope, and take from all of them only if all allow the request."""
+        """Check every limit of every scope, and take from all of them only if all allow the request.
+        ``tokens`` (prompt + max_tokens) and ``cost`` (its most expensive outcome, micro-USD) are reserved."""
         scopes = [s for s in scopes if not s.limits.unlimited]
         now = datetime.now(timezone.utc)
         if not scopes:
-            return Decision(admitted=True), Reservation(request_id, (), tokens, now)
+            return Decision(admitted=True), Reservation(request_id, (), tokens, now, cost)
         day_ttl, month_ttl = _period_ttls(now)
         keys: list[str] = []
-        args: list[int | str] = [request_id, tokens, self.window_ms, self.lease_ttl_ms, day_ttl, month_ttl]
+        args: list[int | str] = [
+            request_id,
+            tokens,
+            self.window_ms,
+            self.lease_ttl_ms,
+            day_ttl,
+            month_ttl,
+            cost,
+        ]
         for scope in scopes:
-            day, month = _period_keys(scope, now)
+            day, month, spend = _period_keys(scope, now)
             keys += [
                 scope.key("rpm"),
                 scope.key("tpm"),
@@ -325,6 +382,7 @@ class Quotas:
                 scope.key("leases"),
                 day,
                 month,
+                spend,
             ]
         for scope in scopes:
             args += [
@@ -335,9 +393,10 @@ class Quotas:
         except RedisError as exc:
             raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
         admitted, fail_scope, fail_limit, retry_ms = out[:4]
+        limit = LIMITS[fail_limit - 1] if fail_limit else None
         decision = Decision(
             admitted=bool(admitted),
-            limit=LIMITS[fail_limit - 1] if fail_limit else None,
+            limit=limit,
             scope=scopes[fail_scope - 1].name if fail_scope else None,
             retry_after_ms=retry_ms,
             requests=_tightest(scopes, out[4:], "rpm", 0),
@@ -345,8 +404,9 @@ class Quotas:
             limit_value=getattr(scopes[fail_scope - 1].limits, LIMITS[fail_limit - 1])
             if fail_scope
             else None,
+            resets_at=_period_ends(now)[0 if limit == "daily_tokens" else 1] if limit in BUDGETS else None,
         )
-        return decision, (Reservation(request_id, tuple(scopes), tokens, now) if admitted else None)
+        return decision, (Reservation(request_id, tuple(scopes), tokens, now, cost) if admitted else None)
 
     async def renew(self, reservation: Reservation) -> None:
         """Extend the request's concurrency leases; call while it streams (well within the lease TTL)."""
@@ -360,18 +420,20 @@ class Quotas:
         except RedisError as exc:
             raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
 
-    async def settle(self, reservation: Reservation, used_tokens: int) -> None:
-        """The request ended having used ``used_tokens``: give back the rest of the reservation everywhere it
-        still counts and release its concurrency lease. ``used_tokens=0`` releases it in full."""
+    async def settle(self, reservation: Reservation, used_tokens: int, used_cost: int = 0) -> None:
+        """The request ended having used ``used_tokens`` and cost ``used_cost`` micro-USD: give back the rest of
+        the reservation everywhere it still counts and release its concurrency lease. Zeros release it in
+        full (a request that failed before producing a token)."""
         if not reservation.scopes:
             return
         keys: list[str] = []
         for scope in reservation.scopes:
-            day, month = _period_keys(scope, reservation.day)
-            keys += [scope.key("tpm:amounts"), scope.key("leases"), day, month]
+            day, month, spend = _period_keys(scope, reservation.day)
+            keys += [scope.key("tpm:amounts"), scope.key("leases"), day, month, spend]
         delta = reservation.tokens - max(used_tokens, 0)
+        cost_delta = reservation.cost - max(used_cost, 0)
         try:
-            await self._settle(keys=keys, args=[reservation.request_id, delta, 1])
+            await self._settle(keys=keys, args=[reservation.request_id, delta, 1, cost_delta])
         except RedisError as exc:
             raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
 
@@ -380,6 +442,11 @@ class Quotas:
         t = await self.redis.time()
         now_ms = t[0] * 1000 + t[1] // 1000
         return await self.redis.zcount(scope.key("leases"), now_ms, "+inf")
+
+    async def spent(self, scope: Scope, when: datetime | None = None) -> int:
+        """Micro-USD ``scope`` has spent or holds reserved in ``when``'s UTC month (default: now)."""
+        _, _, spend = _period_keys(scope, when or datetime.now(timezone.utc))
+        return int(await self.redis.get(spend) or 0)
 
 
 class Held:
@@ -390,6 +457,7 @@ class Held:
         self.quotas = quotas
         self.reservation = reservation
         self.used_tokens = 0  # set as the request learns its usage; what ``settle`` charges
+        self.used_cost = 0  # micro-USD, likewise
         self.settled = False
         self._renewer = asyncio.create_task(self._renew()) if reservation.scopes else None
 
@@ -425,7 +493,7 @@ class Held:
         # Shielded: a client disconnect cancels the caller, and the slot must be released all the same.
         with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S):
             try:
-                await self.quotas.settle(self.reservation, self.used_tokens)
+                await self.quotas.settle(self.reservation, self.used_tokens, self.used_cost)
             except QuotaUnavailable as e:
                 log.error(
                     "could not settle request %s (%s): its lease expires by itself within %d ms",

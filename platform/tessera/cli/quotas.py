@@ -1,11 +1,13 @@
 """``tessera quotas set|show``: a tenant's quota limits and its keys' overrides (``tessera.quota_config``).
 
-Every API process applies a change within about a second, without a restart.
+Every API process applies a change within about a second, without a restart. The spend budget is given and
+shown in USD (``--monthly-spend-usd 25.50``) and stored in micro-USD.
 """
 
 from __future__ import annotations
 
 import argparse
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ _HELP = {
     "daily_tokens": "tokens per UTC day",
     "monthly_tokens": "tokens per UTC month",
 }
+SPEND = "monthly_spend"  # micro-USD in the database, USD on the command line
+MICRO = 1_000_000
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -47,6 +51,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="override the tenant's limits for this key only (`keys list` shows it)",
     )
     for name in LIMITS:
+        if name == SPEND:
+            continue
         setter.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
@@ -55,6 +61,15 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
             metavar="N",
             help=f"{_HELP[name]}; a whole number, or 'none'",
         )
+    setter.add_argument(
+        "--monthly-spend-usd",
+        dest=SPEND,
+        type=parse_usd,
+        default=argparse.SUPPRESS,
+        metavar="USD",
+        help="spend per UTC month in USD (e.g. 25.50): each request reserves its prompt at the fresh price "
+        "plus max_tokens at the output price, settled to its real cost; or 'none'",
+    )
     setter.set_defaults(func=cmd_quotas_set)
     show = actions.add_parser("show", parents=[common], help="the tenant's limits and its keys' overrides")
     show.set_defaults(func=cmd_quotas_show)
@@ -72,12 +87,27 @@ def parse_limit(value: str) -> int | None:
     return number
 
 
+def parse_usd(value: str) -> int | None:
+    """USD (at most 6 decimals) as micro-USD, or None for 'none'."""
+    if value.strip().lower() in UNLIMITED:
+        return None
+    try:
+        number = Decimal(value.strip())
+    except InvalidOperation:
+        number = Decimal(-1)
+    if not number.is_finite() or number < 0 or (number * MICRO) % 1:
+        raise argparse.ArgumentTypeError(
+            f"expected an amount in USD >= 0 with at most 6 decimals (e.g. 25.50), or 'none'; got {value!r}"
+        )
+    return int(number * MICRO)
+
+
 def cmd_quotas_set(args: argparse.Namespace) -> None:
     from tessera import quota_config
 
     changes = {name: getattr(args, name) for name in LIMITS if hasattr(args, name)}
     if not changes:
-        flags = ", ".join(f"--{n.replace('_', '-')}" for n in LIMITS)
+        flags = ", ".join(f"--{n.replace('_', '-')}" + ("-usd" if n == SPEND else "") for n in LIMITS)
         raise CliError(f"name at least one limit to set: {flags}", exit_code=2)
     with open_session(args) as session:
         if args.key is None:
@@ -108,4 +138,7 @@ def quota_rows(session, tenant: str) -> list[dict[str, Any]]:
 
 
 def limits_row(limits: Limits) -> dict[str, Any]:
-    return {name: getattr(limits, name) for name in LIMITS}
+    row: dict[str, Any] = {name: getattr(limits, name) for name in LIMITS if name != SPEND}
+    spend = limits.monthly_spend
+    row["monthly_spend_usd"] = None if spend is None else spend / MICRO
+    return row
