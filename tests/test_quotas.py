@@ -263,3 +263,53 @@ def test_headers_report_the_tightest_window_and_retry_after_on_rejection():
         h["x-ratelimit-limit-requests"] == "2" and h["x-ratelimit-limit-tokens"] == "100" for h in headers
     )
     assert rejected[0].limit == "rpm" and "retry-after" in rejected[0].headers()
+
+
+def test_concurrent_requests_never_overspend_a_monthly_spend_budget():
+    async def go():
+        sc = scope(monthly_spend=1_000)
+        async with connect() as redis:
+            quotas = Quotas(redis)
+            results = await asyncio.gather(
+                *(quotas.admit(uuid.uuid4().hex, [sc], 1, cost=30) for _ in range(100))
+            )
+            return [d for d, _ in results], await quotas.spent(sc)
+
+    decisions, spent = run(go())
+    assert sum(d.admitted for d in decisions) == 33 and spent == 33 * 30
+    rejected = [d for d in decisions if not d.admitted]
+    assert {(d.limit, d.code) for d in rejected} == {("monthly_spend", "spend_budget_exceeded")}
+    assert all(d.resets_at is not None and d.resets_at.day == 1 and d.resets_at.hour == 0 for d in rejected)
+    assert "monthly spend budget of $0.001" in rejected[0].message()
+
+
+def test_settling_a_spend_reservation_charges_the_real_cost_and_zero_releases_it():
+    async def go():
+        sc = scope(monthly_spend=100)
+        async with connect() as redis:
+            quotas = Quotas(redis)
+            _, a = await quotas.admit("a", [sc], 10, cost=60)
+            blocked, _ = await quotas.admit("b", [sc], 10, cost=60)
+            await quotas.settle(a, 5, used_cost=25)  # cheaper than reserved: cached tokens, an early stop
+            after_settle = await quotas.spent(sc)
+            _, c = await quotas.admit("c", [sc], 10, cost=60)
+            await quotas.settle(c, 0)  # failed before any token
+            return blocked, after_settle, await quotas.spent(sc)
+
+    blocked, after_settle, final = run(go())
+    assert not blocked.admitted and blocked.limit == "monthly_spend"
+    assert after_settle == 25 and final == 25
+
+
+def test_a_spend_rejection_consumes_none_of_the_other_limits():
+    async def go():
+        sc = scope(rpm=10, daily_tokens=1_000, monthly_spend=10)
+        async with connect() as redis:
+            quotas = Quotas(redis)
+            rejected, _ = await quotas.admit("big", [sc], 100, cost=11)
+            ok, _ = await quotas.admit("small", [sc], 100, cost=10)
+            return rejected, ok
+
+    rejected, ok = run(go())
+    assert not rejected.admitted and rejected.limit == "monthly_spend"
+    assert ok.admitted and ok.requests.remaining == 9
