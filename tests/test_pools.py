@@ -22,11 +22,12 @@ import pytest
 import redis
 
 from gpu_workers import Engine, SamplingParams
+from gpu_workers.engine import StreamEvent
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.pools.heartbeat import Heartbeat
 from gpu_workers.pools.inflight import inflight_key
 from gpu_workers.pools.messages import updated
-from gpu_workers.pools.stream import RequestStream, lease_key
+from gpu_workers.pools.stream import LeaseLost, RequestStream, StepWriter, Streamed, lease_key
 from gpu_workers.pools.tasks import TaskRunner
 from gpu_workers.pools.worker import EXIT_ENGINE_FAILED, SECRET_ENV, engine_config
 from gpu_workers.protocol import (
@@ -179,12 +180,98 @@ def test_serve_task_streams_tokens_then_a_final_event_with_usage(client, local):
     task = make_task(spec)
     runner.run(TASK_SERVE, task.to_json())
     events = read_stream(client, task.request_id)
-    assert [e.kind for e in events] == ["token"] * 12 + ["final"]
-    assert events[-1].finish_reason == "length"
+    # One entry per writer round trip: a step's token, or several if steps outran Redis for a moment.
+    assert {e.kind for e in events[:-1]} == {"token"} and len(tokens_of(events)) == 12
+    assert "".join(e.text for e in events[:-1]) == detokenized(spec, tokens_of(events))
+    assert events[-1].kind == "final" and events[-1].finish_reason == "length"
     assert events[-1].usage == {"prompt_tokens": len(PROMPT), "cached_tokens": 0, "completion_tokens": 12}
     assert client.ttl(stream_key(task.request_id)) > 0
     assert not client.exists(lease_key(task.request_id))
     assert not client.hlen(inflight_key(runner.worker_id))
+
+
+def detokenized(spec: DeploymentSpec, token_ids: list[int]) -> str:
+    from gpu_workers.tokenizer import load_tokenizer
+
+    return load_tokenizer(spec.checkpoint).decode(token_ids)
+
+
+def test_concurrent_requests_share_each_steps_round_trip_and_stream_the_offline_tokens(client, local):
+    spec, runner = local
+    tasks = [make_task(spec, max_tokens=16) for _ in range(6)]
+    trips, entries = runner.writer.round_trips, runner.writer.entries_written
+    threads = [threading.Thread(target=runner.run, args=(TASK_SERVE, t.to_json())) for t in tasks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    expected = offline(spec, 16)
+    for task in tasks:
+        events = read_stream(client, task.request_id)
+        assert tokens_of(events) == expected and events[-1].usage["completion_tokens"] == 16
+    written = runner.writer.entries_written - entries
+    assert written >= 6  # every request wrote at least one entry
+    # Six requests decoding together: their entries of a step travel in one pipeline, not one each.
+    assert runner.writer.round_trips - trips < written
+
+
+def streamed(client, writer: StepWriter, spec: DeploymentSpec) -> Streamed:
+    task = make_task(spec)
+    stream = RequestStream(client, task.request_id, "writer-test")
+    assert stream.claim()
+    return writer.open(stream, task.deadline)
+
+
+def step_event(request: Streamed, token: int, finish_reason: str | None = None) -> StreamEvent:
+    return StreamEvent(request.request_id, [token], chr(ord("a") + token % 26), finish_reason)
+
+
+def test_step_writer_writes_every_request_and_reads_every_cancel_key_in_one_round_trip(client, local):
+    spec, _ = local
+    aborted: list[str] = []  # what the engine's abort would receive
+    writer = StepWriter(client, aborted.append)
+    requests = [streamed(client, writer, spec) for _ in range(4)]
+    idle = streamed(client, writer, spec)  # no token this time, but its cancel key is read all the same
+    client.set(cancel_key(requests[1].request_id), 1, ex=60)
+    client.set(cancel_key(idle.request_id), 1, ex=60)
+    # Two steps' tokens piled up before the writer woke: one entry per request carries both.
+    batch = [(r, step_event(r, step * 10 + i)) for step in range(2) for i, r in enumerate(requests)]
+    writer.write(batch)
+    assert writer.round_trips == 1 and writer.entries_written == 4
+    for i, request in enumerate(requests):
+        entries = client.xrange(stream_key(request.request_id))
+        assert len(entries) == 1
+        event = Event.from_json(entries[0][1][STREAM_FIELD.encode()])
+        assert event.token_ids == [i, 10 + i] and event.worker_id == "writer-test"
+        assert request.completion_tokens == 2
+    assert sorted(aborted) == sorted([requests[1].request_id, idle.request_id])
+    # The engine answers an abort with the request's final event; the cancel is not sent twice.
+    writer.write([(requests[1], step_event(requests[1], 99, "abort"))])
+    assert requests[1].done.is_set() and requests[1].final.finish_reason == "abort"
+    assert requests[1].error is None and len(aborted) == 2
+    assert tokens_of(read_stream(client, requests[1].request_id, stop_after_tokens=2)) == [1, 11, 99]
+
+
+def test_step_writer_stops_only_the_request_whose_lease_was_taken_over(client, local):
+    spec, _ = local
+    aborted: list[str] = []
+    writer = StepWriter(client, aborted.append)
+    kept, lost = streamed(client, writer, spec), streamed(client, writer, spec)
+    client.set(lease_key(lost.request_id), "another-attempt")  # e.g. a peer recovered it
+    writer.write([(kept, step_event(kept, 1)), (lost, step_event(lost, 2))])
+    assert aborted == [lost.request_id] and lost.done.is_set() and isinstance(lost.error, LeaseLost)
+    assert client.xlen(stream_key(lost.request_id)) == 0
+    assert client.xlen(stream_key(kept.request_id)) == 1 and not kept.done.is_set()
+
+
+def test_step_writer_aborts_a_request_past_its_deadline(client, local):
+    spec, _ = local
+    aborted: list[str] = []
+    writer = StepWriter(client, aborted.append)
+    request = streamed(client, writer, spec)
+    request.deadline = time.time() - 1
+    writer.write([])  # no tokens at all: the periodic check still sees the deadline
+    assert aborted == [request.request_id] and request.deadline_exceeded
 
 
 def test_usage_reports_prefix_cache_hits(client, local):

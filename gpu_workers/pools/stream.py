@@ -4,16 +4,38 @@ One attempt at a time serves a request: the holder of ``lease_key(request_id)``.
 lease and appends in one Lua script, so an attempt whose lease was taken over (its worker was declared
 dead, the message was delivered twice) can never add a token after that, however late it wakes up.
 Reading what a stream holds lets a redelivered task decide between skipping, failing and retrying.
+
+``StepWriter`` is how a worker streams: one thread writes the new tokens of every running request in one
+pipelined round trip per wake-up (a wake-up follows an engine step; tokens of several steps that piled up
+while Redis was busy go out as one entry per request) and reads every request's cancel key in the same
+round trip. The engine's step only appends to an in-memory queue.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
+from redis.exceptions import RedisError
 
-from gpu_workers.protocol import HEARTBEAT_TTL_S, STREAM_FIELD, STREAM_TTL_S, Event, stream_key
+from gpu_workers.protocol import (
+    HEARTBEAT_TTL_S,
+    STREAM_FIELD,
+    STREAM_TTL_S,
+    Event,
+    cancel_key,
+    stream_key,
+)
 
+log = logging.getLogger(__name__)
+
+CHECK_S = 0.1  # longest time between two reads of the cancel keys (and deadline checks) when no token flows
 STREAM_MAXLEN = 10_000  # events kept per stream (about a token each): a bound, never reached by a live reader
 LEASE_TTL_MS = int(HEARTBEAT_TTL_S * 1000)  # the heartbeat renews the leases of a live worker
 TERMINAL = ("final", "error")
@@ -97,13 +119,176 @@ class RequestStream:
 
     def publish(self, *events: Event) -> None:
         """Append events in order; raises LeaseLost if this attempt no longer owns the request."""
-        if not events:
-            return
+        if events:
+            self.check_written(self.publish_in(self.client, *events))
+
+    def publish_in(self, client: redis.Redis | redis.client.Pipeline, *events: Event) -> Any:
+        """Queue the append on ``client`` (a pipeline: its reply goes to ``check_written``)."""
         for event in events:
             event.worker_id = self.owner
         args = [self.owner, STREAM_MAXLEN, STREAM_TTL_S, LEASE_TTL_MS, STREAM_FIELD]
-        written = self._publish(
-            keys=[self._lease, stream_key(self.request_id)], args=args + [e.to_json() for e in events]
+        return self._publish(
+            keys=[self._lease, stream_key(self.request_id)],
+            args=args + [e.to_json() for e in events],
+            client=client,
         )
-        if written < 0:
+
+    def check_written(self, reply: Any) -> None:
+        if isinstance(reply, Exception):
+            raise reply
+        if reply < 0:
             raise LeaseLost(f"request {self.request_id} is now served by another attempt")
+
+
+@dataclass(eq=False)
+class Streamed:
+    """One request while ``StepWriter`` streams it: the engine's events go in through ``put``; ``wait``
+    returns once its final event is written (``final``), or the writing failed (``error``)."""
+
+    stream: RequestStream
+    deadline: float  # unix time: the writer aborts the request then
+    _events: queue.SimpleQueue = field(repr=False)
+    final: Any = None  # the engine's final StreamEvent
+    completion_tokens: int = 0
+    deadline_exceeded: bool = False
+    stopping: bool = (
+        False  # aborted (cancel key, deadline, lost lease, failed write): the final event follows
+    )
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+    def put(self, event: Any) -> None:
+        """The engine's ``on_event``: never blocks."""
+        self._events.put((self, event))
+
+    def wait(self, poll_s: float = 1.0, alive: Callable[[], bool] = lambda: True) -> None:
+        while not self.done.wait(poll_s):
+            if not alive():
+                raise RuntimeError("the stream writer of this worker stopped")
+
+
+class StepWriter:
+    """Writes the tokens of every request this worker streams, and reads their cancel keys, in one round trip.
+
+    ``abort(request_id)`` stops a request in the engine: a set cancel key, a deadline passed, a lease lost
+    or a write that failed. The engine then emits the request's final event, which ends it here too.
+    """
+
+    def __init__(self, client: redis.Redis, abort: Callable[[str], object], check_s: float = CHECK_S):
+        self.client = client
+        self.abort = abort
+        self.check_s = check_s
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, Streamed] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.round_trips = 0  # pipelines executed (writes and cancel reads)
+        self.entries_written = 0  # stream entries they appended
+
+    def open(self, stream: RequestStream, deadline: float) -> Streamed:
+        request = Streamed(stream, deadline, self._events)
+        with self._lock:
+            self._live[request.request_id] = request
+        return request
+
+    def start(self) -> None:
+        """Write from a thread of its own from now on (once; later calls do nothing)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="stream-writer", daemon=True)
+                self._thread.start()
+
+    def pending(self) -> list[tuple[Streamed, Any]]:
+        """The events put so far and not yet written (waiting up to ``check_s`` for the first)."""
+        try:
+            batch = [self._events.get(timeout=self.check_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self._events.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def close(self, request: Streamed) -> None:
+        with self._lock:
+            if self._live.get(request.request_id) is request:
+                del self._live[request.request_id]
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            batch = self.pending()
+            try:
+                self.write(batch)
+            except Exception as exc:  # never leave a request waiting on a writer that gave up
+                log.exception("stream writer failed; failing the requests it was writing")
+                for request, _ in batch:
+                    self._fail(request, exc)
+
+    def write(self, batch: list[tuple[Streamed, Any]]) -> None:
+        """One round trip: each request's events of ``batch`` as one stream entry, every open request's
+        cancel key read; then abort what was cancelled, expired or could not be written."""
+        pending: dict[Streamed, list[Any]] = {}
+        for request, event in batch:
+            if not request.done.is_set():
+                pending.setdefault(request, []).append(event)
+        with self._lock:
+            live = [r for r in self._live.values() if not r.done.is_set()]
+        pipe = self.client.pipeline(transaction=False)
+        writes: list[Streamed] = []
+        for request, events in pending.items():
+            token_ids = [t for e in events for t in e.token_ids]
+            text = "".join(e.text for e in events)
+            request.completion_tokens += len(token_ids)
+            if token_ids or text:
+                request.stream.publish_in(pipe, Event(kind="token", token_ids=token_ids, text=text))
+                writes.append(request)
+        if live:
+            pipe.mget([cancel_key(r.request_id) for r in live])
+        if writes or live:
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                for request in writes:  # their tokens are not on the stream: they cannot go on
+                    self._fail(request, exc)
+                replies = []
+            else:
+                self.round_trips += 1
+                self.entries_written += len(writes)
+            for request, reply in zip(writes, replies, strict=False):
+                try:
+                    request.stream.check_written(reply)
+                except (LeaseLost, RedisError) as exc:
+                    self._fail(request, exc)
+            if live and len(replies) == len(writes) + 1 and not isinstance(replies[-1], Exception):
+                for request, cancelled in zip(live, replies[-1], strict=True):
+                    if cancelled is not None:
+                        self._stop(request)
+        now = time.time()
+        for request in live:
+            if now >= request.deadline and not request.stopping:
+                request.deadline_exceeded = True
+                self._stop(request)
+        for request, events in pending.items():
+            final = next((e for e in events if e.finish_reason is not None), None)
+            if final is not None and not request.done.is_set():
+                request.final = final
+                request.done.set()
+
+    def _stop(self, request: Streamed) -> None:
+        if not request.stopping:
+            request.stopping = True
+            self.abort(request.request_id)
+
+    def _fail(self, request: Streamed, exc: BaseException) -> None:
+        if request.error is None:
+            request.error = exc
+        self._stop(request)
+        request.done.set()

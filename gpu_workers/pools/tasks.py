@@ -4,8 +4,10 @@ Each task takes one ``GenerateTask`` JSON string and blocks its thread until the
 engine batches it with every other running task. ``serve`` does the whole request; ``prefill`` computes the
 prompt, streams the first token and hands the KV off to ``decode``, which continues the stream.
 
-A task polls ``cancel_key`` (the gateway sets it when the client goes away) and the task's deadline; either
-aborts the request in the engine, which frees its pages at once.
+The worker's ``StepWriter`` streams every running request's tokens, one pipelined round trip per engine
+step for all of them, and in the same round trip reads their ``cancel_key`` (the gateway sets it when the
+client goes away); a set key or a passed deadline aborts the request in the engine, which frees its pages
+at once. A task's thread only waits for its request's final event.
 
 Redelivery and dead workers (acks_late): an attempt first takes the request's lease (``stream``), so two
 live attempts never run at once (decode takes it over from the prefill worker that sent it). Then it
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import time
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from gpu_workers.kv.transfer import InvalidKVBlock, KVBlock
 from gpu_workers.pools.handoff import HandoffCorrupt, HandoffMissing, HandoffStore, colocated_decode
 from gpu_workers.pools.inflight import Inflight, take_orphans
 from gpu_workers.pools.messages import updated
-from gpu_workers.pools.stream import LeaseLost, RequestStream
+from gpu_workers.pools.stream import LeaseLost, RequestStream, StepWriter
 from gpu_workers.protocol import (
     TASK_DECODE,
     TASK_PREFILL,
@@ -60,8 +61,6 @@ log = logging.getLogger(__name__)
 
 TASK_OF_POOL = {"serve": TASK_SERVE, "prefill": TASK_PREFILL, "decode": TASK_DECODE}
 POOL_OF_TASK = {task: pool for pool, task in TASK_OF_POOL.items()}
-POLL_S = 0.05  # longest wait for engine events before looking at the cancel key and the deadline again
-CHECK_S = 0.1  # between two reads of the cancel key
 
 
 @dataclass
@@ -132,6 +131,7 @@ class TaskRunner:
         self.handoff_transport = handoff_transport
         self.export_kv = export_kv
         self.inflight = Inflight(client, worker_id)
+        self.writer = StepWriter(client, engine.abort)
 
     def register(self) -> None:
         """Register this pool's task on the app, by its protocol name."""
@@ -320,38 +320,24 @@ class TaskRunner:
     def _generate(
         self, task: GenerateTask, stream: RequestStream, prompt: list[int], params: SamplingParams, **kv
     ) -> Outcome:
-        """Run the request on the engine, streaming its tokens, until it finishes, is cancelled or expires."""
-        events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+        """Run the request on the engine until it finishes, is cancelled or expires; ``writer`` streams its
+        tokens (and watches its cancel key and deadline) while this thread waits."""
+        self.writer.start()
+        request = self.writer.open(stream, task.deadline)
         request_id = task.request_id
-        self.engine.add_request(
-            prompt, params, request_id=request_id, tenant=task.tenant, on_event=events.put, **kv
-        )
-        completion, deadline_exceeded, next_check = 0, False, 0.0
         try:
-            while True:
-                batch = _drain(events)
-                final = next((e for e in batch if e.finish_reason is not None), None)
-                completion += sum(len(e.token_ids) for e in batch)
-                stream.publish(
-                    *(
-                        Event(kind="token", token_ids=e.token_ids, text=e.text)
-                        for e in batch
-                        if e.token_ids or e.text
-                    )
-                )
-                if final is not None:
-                    return Outcome(final, completion, deadline_exceeded)
-                now = time.monotonic()
-                if now >= next_check:
-                    next_check = now + CHECK_S
-                    if time.time() >= task.deadline:
-                        deadline_exceeded = True
-                        self.engine.abort(request_id)
-                    elif self.client.exists(cancel_key(request_id)):
-                        self.engine.abort(request_id)
+            self.engine.add_request(
+                prompt, params, request_id=request_id, tenant=task.tenant, on_event=request.put, **kv
+            )
+            request.wait(alive=self.writer.alive)
         except BaseException:
             self.engine.abort(request_id)  # whatever stopped us, the pages go back now
             raise
+        finally:
+            self.writer.close(request)
+        if request.error is not None:
+            raise request.error
+        return Outcome(request.final, request.completion_tokens, request.deadline_exceeded)
 
     def _terminal(self, outcome: Outcome, usage: Usage) -> Event:
         final = outcome.final
@@ -409,16 +395,3 @@ class TaskRunner:
                 args, kwargs, _ = message.decode()
                 pool_q = pool_q or pool_queue(GenerateTask.from_json(args[0]).deployment, self.pool)
                 self.app.send_task(name, args=args, kwargs=kwargs, queue=pool_q)
-
-
-def _drain(events: queue.SimpleQueue[StreamEvent]) -> list[StreamEvent]:
-    """Every event waiting now, after waiting up to POLL_S for the first."""
-    try:
-        batch = [events.get(timeout=POLL_S)]
-    except queue.Empty:
-        return []
-    while True:
-        try:
-            batch.append(events.get_nowait())
-        except queue.Empty:
-            return batch
