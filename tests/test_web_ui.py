@@ -377,6 +377,38 @@ def test_an_admin_creates_a_key_sees_the_secret_once_and_revokes_it(context, ser
     assert raw not in page.content()  # the audit entry never holds the secret
 
 
+def test_an_admin_suspends_and_restores_a_tenant_and_its_key_follows(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], "/signin?next=/admin")
+    wait_ready(page)
+    globex = {"Authorization": f"Bearer {server.keys['globex']}"}
+
+    def usage() -> int:
+        return httpx.get(f"{server.url}/v1/usage", headers=globex).status_code
+
+    assert usage() == 200
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Suspend globex").click()
+    page.get_by_role("button", name="Restore globex").wait_for()
+    assert table(page, "tenants")[[r[0] for r in table(page, "tenants")].index("globex")][1] == "suspended"
+    assert usage() == 401
+    page.get_by_role("button", name="Restore globex").click()
+    page.get_by_role("button", name="Suspend globex").wait_for()
+    assert usage() == 200
+
+
+def test_sign_in_works_from_the_keyboard_alone(context, server):
+    page = context.new_page()
+    page.goto("/signin")
+    page.keyboard.press("Tab")  # the skip link
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "api_key"
+    page.keyboard.type(server.keys["acme"])
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/dashboard")
+    wait_ready(page)
+
+
 def test_pool_status_refreshes_without_a_reload(context, server):
     page = context.new_page()
     sign_in(page, server.keys["admin"], "/signin?next=/admin")

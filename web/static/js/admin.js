@@ -200,15 +200,34 @@ async function loadTenants(cursor) {
   const body = document.querySelector("#tenants tbody");
   const rows = page.data.map((t) => {
     const td = cell("");
+    td.className = "actions";
     const manage = button("Manage", () => openTenant(t.name));
     manage.setAttribute("aria-label", `Manage ${t.name}`);
-    td.append(manage);
+    const verb = t.disabled ? "Restore" : "Suspend";
+    const toggle = button(verb, () => setSuspended(t, !t.disabled), t.disabled ? "secondary" : "danger");
+    toggle.setAttribute("aria-label", `${verb} ${t.name}`);
+    td.append(manage, toggle);
     return row(cell(t.name), cell(t.disabled ? "suspended" : "active"), cell(when(t.created_at)), td);
   });
   if (cursor) body.append(...rows);
   else body.replaceChildren(...rows);
   tenantsCursor = page.next_cursor;
   document.getElementById("tenants-more").hidden = !tenantsCursor;
+}
+
+async function setSuspended(t, disabled) {
+  const question = disabled
+    ? `Suspend ${t.name}? Its keys are refused at once, until it is restored.`
+    : `Restore ${t.name}? Its unrevoked keys work again.`;
+  if (!window.confirm(question)) return;
+  try {
+    await api("PATCH", `/admin/tenants/${encodeURIComponent(t.name)}`, { disabled });
+    await loadTenants(null);
+    status.textContent = `${t.name} is ${disabled ? "suspended" : "active"}.`;
+    refreshAuditLog();
+  } catch (e) {
+    status.textContent = e.message;
+  }
 }
 
 let tenant = null;
