@@ -10,13 +10,14 @@ on (``billing.invoices.assign_invoice_periods``, which share-locks those invoice
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import Table
+from sqlalchemy import Table, TextClause, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -92,7 +93,38 @@ def price_row(event: UsageEvent, book: PriceBook) -> dict[str, Any]:
 
 
 def _insert(session: Session, table: Table):
-    return (postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert)(table)
+    return (postgresql.insert if _postgres(session) else sqlite.insert)(table)
+
+
+def _postgres(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+def _bulk(table: Table, tail: str) -> TextClause:
+    """PostgreSQL's bulk form of an insert: the rows as one JSON array, expanded to the table's row type by
+    ``json_populate_recordset``. The statement's text is the same for any number of rows, so the driver
+    parses it once, and one string parameter costs little to send (a multi-row VALUES list of a few
+    thousand parameters costs more to parse and bind than to run)."""
+    rows = f"json_populate_recordset(NULL::{table.name}, CAST(:rows AS json))"
+    return text(f"INSERT INTO {table.name} SELECT * FROM {rows} {tail}")
+
+
+def _json_rows(rows: list[dict[str, Any]]) -> dict[str, str]:
+    return {"rows": json.dumps(rows, default=_iso)}
+
+
+def _iso(value: Any) -> str:
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+_LEDGER_BULK = _bulk(LedgerEvent.__table__, "ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+_ROLLUP_BULK = _bulk(
+    Rollup.__table__,
+    "ON CONFLICT (tenant_id, day, model, key_id) DO UPDATE SET "
+    + ", ".join(f"{n} = billing_rollups.{n} + excluded.{n}" for n in ROLLUP_SUMS),
+)
 
 
 def record_events(
@@ -106,18 +138,24 @@ def record_events(
     in the ledger, or repeated within ``events``, are left out and change nothing). ``grace`` is how long an
     invoice stays open after its month; ``now`` (default: the clock) decides which invoices have closed."""
     rows: dict[str, dict[str, Any]] = {}
+    events = list(events)
     book = PriceBook(session)
+    book.load({event.model for event in events})
     for event in events:
         rows.setdefault(event.request_id, price_row(event, book))
     if not rows:
         return []
+    now = now or utcnow()
     try:
-        assign_invoice_periods(session, rows.values(), now=now or utcnow(), grace=grace)
+        assign_invoice_periods(session, rows.values(), now=now, grace=grace)
         table = LedgerEvent.__table__
-        stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["request_id"])
         # In request-id order: concurrent writers of overlapping batches lock rows in one order (no deadlock).
-        ordered = [rows[request_id] for request_id in sorted(rows)]
-        inserted = set(session.scalars(stmt.returning(table.c.request_id), ordered))
+        ordered = [{**rows[request_id], "recorded_at": now} for request_id in sorted(rows)]
+        if _postgres(session):
+            inserted = set(session.scalars(_LEDGER_BULK, _json_rows(ordered)))
+        else:
+            stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["request_id"])
+            inserted = set(session.scalars(stmt.returning(table.c.request_id), ordered))
         new = [row for request_id, row in rows.items() if request_id in inserted]
         _add_to_rollups(session, new)
         session.commit()
@@ -141,6 +179,9 @@ def _add_to_rollups(session: Session, rows: list[dict[str, Any]]) -> None:
         {"tenant_id": t, "day": d, "model": m, "key_id": k, **total}
         for (t, d, m, k), total in sorted(sums.items())  # one order everywhere: no deadlocks between writers
     ]
+    if _postgres(session):
+        session.execute(_ROLLUP_BULK, _json_rows(values))
+        return
     stmt = _insert(session, table)
     stmt = stmt.on_conflict_do_update(
         index_elements=["tenant_id", "day", "model", "key_id"],

@@ -11,6 +11,7 @@ price changes never reprice a recorded event.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -100,6 +101,21 @@ class PriceBook:
     def __init__(self, session: Session):
         self.session = session
         self._versions: dict[str, list[Price]] = {}
+
+    def load(self, models: Iterable[str]) -> None:
+        """Load every version of ``models`` and of the default in one query (a batch's models, at once)."""
+        wanted = {*models, DEFAULT_MODEL} - self._versions.keys()
+        if not wanted:
+            return
+        query = (
+            select(Price)
+            .where(Price.model.in_(wanted))
+            .order_by(Price.effective_from.desc(), Price.version.desc())
+        )
+        for model in wanted:
+            self._versions[model] = []
+        for price in self.session.scalars(query):
+            self._versions[price.model].append(price)
 
     def _of(self, model: str) -> list[Price]:
         if model not in self._versions:
