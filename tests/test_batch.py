@@ -2,15 +2,19 @@
 test_gateway's scripted worker pools: queue and poll, per-item validation, the size limit, isolation, retries
 when a worker dies, quotas checked when an item runs, lower priority than interactive traffic, two runners
 sharing one queue, and items surviving a gateway restart. The run with real worker processes, one of them
-killed midway, is ``test_batch_workers.py``."""
+killed midway, and a client written to Cloudflare's REST docs, are at the end (real worker processes)."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import uuid
 from collections import Counter
 
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from tessera import batch, db, quota_config, tenancy
 from tessera.app import create_app
@@ -208,8 +212,8 @@ def test_a_batch_over_the_size_limit_is_413_in_the_envelope(gw, account, monkeyp
     out = big.json()
     assert out["success"] is False and out["errors"][0]["code"] == 3006
     assert "2000 bytes" in out["errors"][0]["message"]
-    small = queue(gw.client, account, gw.model, [{"prompt": "x" * 100}] * 3, gw.key)
-    assert small.status_code == 200
+    small = queued_id(queue(gw.client, account, gw.model, [{"prompt": "x" * 100}] * 3, gw.key))
+    assert len(results(gw.client, account, gw.model, small, gw.key)["responses"]) == 3
 
 
 @pytest.mark.parametrize("prefix", PREFIXES)
@@ -267,7 +271,7 @@ def test_an_item_failing_for_good_is_not_retried(gw, account):
     assert len(gw.pools.sent) == 2
 
 
-def test_quotas_are_checked_when_an_item_runs_and_a_429_leaves_it_queued(gw):
+def test_quotas_are_checked_when_an_item_runs_and_a_429_leaves_it_queued(gw, account):
     name = f"batchq-{uuid.uuid4().hex[:8]}"  # a fresh tenant: its quota counters start empty
     with gw.sessions() as session:
         tenant_id = tenancy.create_tenant(session, name).id
@@ -276,8 +280,11 @@ def test_quotas_are_checked_when_an_item_runs_and_a_429_leaves_it_queued(gw):
     # Queued although the quota would refuse it now: quotas apply when items run, not when queued.
     batch_id = queued_id(queue(gw.client, tenant_id, gw.model, [{"prompt": "a"}, {"prompt": "b"}], key))
     passes_later(gw.client.app, 4)
-    assert [(i.status, i.attempts) for i in items_of(gw.sessions, batch_id)] == [("queued", 0), ("queued", 0)]
-    assert gw.pools.sent == []
+    assert {i.status for i in items_of(gw.sessions, batch_id)} <= {"queued", "running"}  # never failed
+    assert gw.pools.sent == []  # nor sent to a worker
+    # Meanwhile another tenant's batch on the same model runs.
+    other = queued_id(queue(gw.client, account, gw.model, [{"prompt": "unaffected"}], gw.key))
+    assert results(gw.client, account, gw.model, other, gw.key)["responses"][0]["success"] is True
     with gw.sessions() as session:
         quota_config.set_limits(session, name, Limits(daily_tokens=10_000))
     responses = results(gw.client, tenant_id, gw.model, batch_id, key)["responses"]
@@ -352,9 +359,19 @@ def lone(tmp_path, demo_model_dir, redis_url):
         tenant_id = tenancy.create_tenant(session, "acme").id
         _, key = tenancy.create_key(session, "acme")
     pools = FakePools(sync_redis(redis_url), silent)
-    for pool in ("prefill", "decode"):
-        pools.heartbeat(model, pool, f"{pool}-{model}")
+    stop = threading.Event()
+
+    def heartbeat() -> None:  # live workers for the whole test, however long it takes
+        while not stop.is_set():
+            for pool in ("prefill", "decode"):
+                pools.heartbeat(model, pool, f"{pool}-{model}")
+            stop.wait(1.0)
+
+    beating = threading.Thread(target=heartbeat, daemon=True)
+    beating.start()
     yield settings, sessions, pools, model, tenant_id, key
+    stop.set()
+    beating.join()
     pools.redis.delete(workers_key(model, "prefill"), workers_key(model, "decode"), settings.records_stream)
 
 
@@ -392,3 +409,189 @@ def test_items_of_a_gateway_that_died_are_resumed_by_another(lone):
         [response] = results(client, tenant_id, model, batch_id, key)["responses"]
     assert response["result"]["response"] == "resumed" and response["external_reference"] == "ref"
     assert items_of(sessions, batch_id)[0].attempts == 2  # the dead runner's attempt counts
+
+
+# -- real worker processes: a Cloudflare-style client, and a decode worker killed midway -----------------
+
+
+@pytest.fixture(scope="module")
+def platform_up(tmp_path_factory, demo_model_dir, redis_url):
+    """The gateway on a real uvicorn server with real Celery, and real prefill and decode worker processes
+    (test_pools' ``Workers``) for a deployment of the demo model."""
+    from test_pools import Workers
+
+    ns = f"test-batchw-{uuid.uuid4().hex[:8]}"
+    settings = Settings(
+        data_dir=tmp_path_factory.mktemp("batch-workers"),
+        redis_url=redis_url,
+        secret_key="batch-workers-secret-" * 3,
+        records_stream=f"tessera:test:records:{ns}",
+        worker_heartbeat_ttl_s=4.0,  # notice the killed worker soon
+        batch_concurrency=8,
+        batch_max_queue_depth=4,
+        batch_max_attempts=6,  # attempts routed to the dead worker before its heartbeat lapses count too
+    )
+    db.upgrade(settings.database_url)
+    sessions = db.session_factory(db.make_engine(settings.database_url))
+    model = f"@test/{ns}"
+    with sessions() as session:
+        config = {
+            "name": model,
+            "checkpoint": str(demo_model_dir),
+            "dtype": "float32",
+            "prefill_kv": "auto",
+            "decode_kv": "fp8_e4m3",
+            "kv_budget_bytes": 16 * 2**20,
+            "max_num_seqs": 8,
+            "max_model_len": 128,
+            "max_tokens_limit": 32,
+        }
+        spec = tenancy.create_deployment(session, config, actor="test").to_spec()
+        accounts = {}
+        for name in ("acme", "globex"):
+            tenant_id = tenancy.create_tenant(session, name).id
+            accounts[name] = (tenant_id, tenancy.create_key(session, name)[1])
+    client = sync_redis(redis_url)
+    workers = Workers(client)
+    log_dir = tmp_path_factory.mktemp("batch-worker-logs")
+    ids = {"prefill": f"{ns}-prefill", "decode": f"{ns}-decode"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    try:
+        for pool, worker_id in ids.items():
+            workers.start(spec, pool, worker_id, log_dir)
+        workers.wait_ready([(spec, pool, worker_id) for pool, worker_id in ids.items()])
+        thread.start()
+        wait_for(lambda: server.started, 30)
+        yield f"http://127.0.0.1:{port}", sessions, workers, spec, ids, accounts, log_dir
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        workers.stop_all()
+        for key in client.scan_iter(match=f"*{ns}*", count=1000):
+            client.delete(key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix", ["/client/v4", ""])
+def test_a_client_written_to_cloudflares_rest_docs_runs_prompt_messages_stream_and_a_batch(
+    platform_up, prefix
+):
+    """Plain httpx, written as Cloudflare's REST docs show the API: POST .../ai/run/{model} with a Bearer
+    token; ``?queueRequest=true`` with ``{"requests"}`` queues, POST ``{"request_id"}`` polls."""
+    base, _, _, spec, _, accounts, _ = platform_up
+    account_id, token = accounts["acme"]
+    url = f"{base}{prefix}/accounts/{account_id}/ai/run/{spec.name}"
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    with httpx.Client(timeout=60) as http:
+        prompt = http.post(url, headers=headers, json={"prompt": "def add(a, b):", "max_tokens": 8}).json()
+        assert prompt["success"] is True and isinstance(prompt["result"]["response"], str)
+        assert prompt["result"]["usage"]["completion_tokens"] > 0
+        chat = {
+            "messages": [
+                {"role": "system", "content": "You are a friendly assistant"},
+                {"role": "user", "content": "Why is pizza so good"},
+            ],
+            "max_tokens": 8,
+        }
+        answer = http.post(url, headers=headers, json=chat).json()
+        assert answer["success"] is True and answer["result"]["usage"]["total_tokens"] > 0
+        streamed, done = "", False
+        with http.stream("POST", url, headers=headers, json={**chat, "stream": True}) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    streamed += json.loads(line[len("data: ") :])["response"]
+        assert done and streamed
+        queued = http.post(
+            url + "?queueRequest=true",
+            headers=headers,
+            json={
+                "requests": [
+                    {"prompt": "def fib(n):", "max_tokens": 8, "external_reference": "fib"},
+                    {"messages": chat["messages"], "max_tokens": 8, "external_reference": "pizza"},
+                ]
+            },
+        ).json()
+        assert queued["success"] is True and queued["result"]["status"] == "queued"
+        assert queued["result"]["model"] == spec.name
+        request_id = queued["result"]["request_id"]
+
+        def retrieved():
+            out = http.post(
+                url + "?queueRequest=true", headers=headers, json={"request_id": request_id}
+            ).json()
+            assert out["success"] is True, out
+            return out["result"] if "responses" in out["result"] else None
+
+        result = wait_for(retrieved, 60)
+        assert [(r["id"], r["external_reference"], r["success"]) for r in result["responses"]] == [
+            (0, "fib", True),
+            (1, "pizza", True),
+        ]
+        assert result["usage"]["total_tokens"] == sum(
+            r["result"]["usage"]["total_tokens"] for r in result["responses"]
+        )
+        # Tenant B, with its own key on its own account, cannot retrieve A's batch.
+        other_id, other_token = accounts["globex"]
+        other_url = f"{base}{prefix}/accounts/{other_id}/ai/run/{spec.name}"
+        stolen = http.post(
+            other_url, headers={"Authorization": f"Bearer {other_token}"}, json={"request_id": request_id}
+        )
+        assert stolen.status_code == 404 and stolen.json()["success"] is False
+
+
+@pytest.mark.slow
+def test_fifty_items_all_complete_with_usage_after_the_decode_worker_is_killed_and_restarted(platform_up):
+    base, sessions, workers, spec, ids, accounts, log_dir = platform_up
+    account_id, token = accounts["acme"]
+    url = f"{base}/accounts/{account_id}/ai/run/{spec.name}?queueRequest=true"
+    headers = {"Authorization": f"Bearer {token}"}
+    requests = [
+        {"prompt": f"def task_{i}(x):", "max_tokens": 24, "external_reference": f"r{i}"} for i in range(50)
+    ]
+    with httpx.Client(timeout=60) as http:
+        queued = http.post(url, headers=headers, json={"requests": requests})
+        batch_id = queued_id(queued)
+
+        def statuses() -> Counter[str]:
+            return Counter(i.status for i in items_of(sessions, batch_id))
+
+        # Midway: some items done, some on the workers right now.
+        wait_for(lambda: statuses()["completed"] >= 3 and statuses()["running"] >= 1, 120)
+        workers.kill(ids["decode"])
+        at_kill = statuses()
+        assert at_kill["completed"] < 50
+        # With no live decode worker the items wait in the queue (never failing for it).
+        wait_for(lambda: statuses()["running"] == 0, 60)
+        assert statuses()["failed"] == 0
+        restarted = f"{ids['decode']}-restarted"
+        workers.start(spec, "decode", restarted, log_dir)
+        workers.wait_ready([(spec, "decode", restarted)])
+
+        def retrieved():
+            out = http.post(url, headers=headers, json={"request_id": batch_id}).json()
+            return out["result"] if "responses" in out["result"] else None
+
+        result = wait_for(retrieved, 240)
+    responses = result["responses"]
+    assert [r["external_reference"] for r in responses] == [f"r{i}" for i in range(50)]
+    assert all(r["success"] for r in responses), [r["errors"] for r in responses if not r["success"]]
+    assert all(r["result"]["usage"]["completion_tokens"] > 0 for r in responses)
+    items = items_of(sessions, batch_id)
+    assert any(i.attempts >= 2 for i in items)  # the kill cut some short: they ran again
+    # Every item's last attempt is a request of its own with its usage recorded (the ledger reads the same).
+    for item, response in zip(items, responses, strict=True):
+        record = wait_for(lambda item=item: _record(sessions, item.request_id), 30)
+        assert record.status == "completed" and record.tenant_id == account_id
+        assert record.completion_tokens == response["result"]["usage"]["completion_tokens"]
+    assert result["usage"]["completion_tokens"] == sum(
+        r["result"]["usage"]["completion_tokens"] for r in responses
+    )

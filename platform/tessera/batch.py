@@ -63,9 +63,11 @@ class Failed:
 
 @dataclass(frozen=True)
 class Deferred:
-    """Never reached a worker (a quota said 429, no capacity): back to the queue, the attempt not counted."""
+    """Never reached a worker: back to the queue, the attempt not counted. ``quota``: the tenant's quota
+    refused it (its items wait, others' run); else the deployment had no room (its items wait)."""
 
     retry_after_s: float
+    quota: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,16 +145,22 @@ def queued_models(session: Session) -> list[str]:
     return list(session.scalars(query))
 
 
-def claim(session: Session, model: str, runner_id: str, limit: int) -> list[Claimed]:
-    """Claim up to ``limit`` queued items of ``model``, oldest batch first. Each claim is one conditional
-    UPDATE: of two runners racing for an item, exactly one changes its row, and only that one runs it."""
-    candidates = session.execute(
+def claim(
+    session: Session, model: str, runner_id: str, limit: int, skip_tenants: Sequence[str] = ()
+) -> list[Claimed]:
+    """Claim up to ``limit`` queued items of ``model`` (not of ``skip_tenants``), oldest batch first. Each
+    claim is one conditional UPDATE: of two runners racing for an item, exactly one changes its row, and
+    only that one runs it."""
+    query = (
         select(BatchItem.batch_id, BatchItem.index)
         .join(Batch, Batch.id == BatchItem.batch_id)
         .join(Tenant, Tenant.id == Batch.tenant_id)
         .where(BatchItem.status == "queued", Batch.model == model, Tenant.disabled.is_(False))
-        .order_by(Batch.created_at, Batch.id, BatchItem.index)
-        .limit(limit)
+    )
+    if skip_tenants:
+        query = query.where(Batch.tenant_id.not_in(skip_tenants))
+    candidates = session.execute(
+        query.order_by(Batch.created_at, Batch.id, BatchItem.index).limit(limit)
     ).all()
     claimed = []
     for batch_id, index in candidates:
@@ -282,8 +290,11 @@ class BatchRunner:
         self.runner_id = runner_id or f"runner-{uuid.uuid4().hex[:12]}"
         self.passes = 0  # loop iterations so far (tests wait on it instead of on time)
         self._running: set[asyncio.Task[None]] = set()
-        self._not_before: dict[str, float] = {}  # model -> monotonic time before which it is not retried
+        # Deferred work is not retried before a monotonic time: per model (no room) and per tenant (quota).
+        self._model_not_before: dict[str, float] = {}
+        self._tenant_not_before: dict[str, float] = {}
         self._wake = asyncio.Event()
+        self._stopping = False
         self._loop_task: asyncio.Task[None] | None = None
         self._last_orphan_check = 0.0
 
@@ -297,6 +308,7 @@ class BatchRunner:
 
     async def stop(self) -> None:
         """Stop claiming, cut short the items in flight and give them back to the queue."""
+        self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -335,9 +347,11 @@ class BatchRunner:
         for model in await run_in_threadpool(self._queued_models):
             if free <= 0:
                 break
-            if self._not_before.get(model, 0.0) > time.monotonic() or not await self.ready(model):
+            now = time.monotonic()
+            if self._model_not_before.get(model, 0.0) > now or not await self.ready(model):
                 continue
-            for item in await run_in_threadpool(self._claim, model, free):
+            waiting = [t for t, until in self._tenant_not_before.items() if until > now]
+            for item in await run_in_threadpool(self._claim, model, free, waiting):
                 free -= 1
                 task = asyncio.create_task(self._run(item))
                 self._running.add(task)
@@ -351,9 +365,14 @@ class BatchRunner:
         except Exception as e:  # a fault of ours: retried, within the attempts
             log.exception("batch item %s/%d (request %s) failed", item.batch_id, item.index, item.request_id)
             outcome = Lost({"code": "internal_error", "message": f"the gateway failed the item: {e}"})
+        if self._stopping and not isinstance(outcome, (Done, Failed)):
+            return  # cut short by our own stop (as it surfaced, e.g. a lost stream): ``stop`` requeues it
         if isinstance(outcome, Deferred):
-            delay = min(max(outcome.retry_after_s, self.poll_s), self.retry_cap_s)
-            self._not_before[item.model] = time.monotonic() + delay
+            until = time.monotonic() + min(max(outcome.retry_after_s, self.poll_s), self.retry_cap_s)
+            if outcome.quota:
+                self._tenant_not_before[item.tenant_id] = until
+            else:
+                self._model_not_before[item.model] = until
         await run_in_threadpool(self._finish, item, outcome)
         self._wake.set()
 
@@ -380,9 +399,9 @@ class BatchRunner:
         with self.sessions() as session:
             return queued_models(session)
 
-    def _claim(self, model: str, limit: int) -> list[Claimed]:
+    def _claim(self, model: str, limit: int, skip_tenants: list[str]) -> list[Claimed]:
         with self.sessions() as session:
-            return claim(session, model, self.runner_id, limit)
+            return claim(session, model, self.runner_id, limit, skip_tenants)
 
     def _finish(self, item: Claimed, outcome: Outcome) -> None:
         with self.sessions() as session:

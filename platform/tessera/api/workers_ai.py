@@ -167,11 +167,25 @@ RunBody = Annotated[
 ]
 
 
+class CostDetails(BaseModel):
+    """What ``cost`` is made of, in USD; ``micro_usd`` is the exact total the ledger records."""
+
+    currency: str = "USD"
+    micro_usd: int
+    cached_input: float
+    fresh_input: float
+    output: float
+    cached_input_discount: float = Field(description="saved by the cached input, against the fresh price")
+    price_version: int | None
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
+    cost: float | None = Field(None, description="the request's cost in USD, as the ledger records it")
+    cost_details: CostDetails | None = None
 
 
 class RunResult(BaseModel):
@@ -407,7 +421,8 @@ async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> 
             )
         )
     results = BatchResults(responses=responses, usage=Usage.model_validate(streaming.usage_body(totals)))
-    return JSONResponse(streaming.workers_ai_envelope(results.model_dump()))
+    # Unset fields stay out: each result as its request answered it, the sum without per-request extras.
+    return JSONResponse(streaming.workers_ai_envelope(results.model_dump(exclude_unset=True)))
 
 
 async def _never_disconnects() -> dict[str, Any]:
@@ -479,7 +494,8 @@ _RETRY_CODES = frozenset({"worker_lost", "stream_unavailable", "timeout", "deadl
 def _outcome_of(error: APIError) -> batch.Outcome:
     if error.status == 429 or error.code in _DEFER_CODES:
         retry_after = (error.headers or {}).get("Retry-After", "1")
-        return batch.Deferred(float(retry_after) if retry_after.isdigit() else 1.0)
+        quota = error.code in ("rate_limit_exceeded", "quota_exceeded")
+        return batch.Deferred(float(retry_after) if retry_after.isdigit() else 1.0, quota=quota)
     if error.code in _RETRY_CODES:
         return batch.Lost(_error(error))
     return batch.Failed(_error(error))
