@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from api_processes import api_processes as replica_processes
+from api_processes import free_port
 from sqlalchemy import event, select
 from tessera import auth, db, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey
@@ -231,12 +232,6 @@ def key_version(redis_client):
     redis_client.delete(name)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class ApiProcesses:
     database_url: str
@@ -275,40 +270,10 @@ def api_processes(tmp_path_factory, redis_client):
         "TESSERA_SECRET_KEY": SECRET,
         "TESSERA_RECORDS_STREAM": f"tessera:test:records:{uuid.uuid4().hex}",
     }
-    procs, urls, logs = [], [], []
-    for i in range(2):
-        port = _free_port()
-        log = data / f"api-{i}.log"
-        with log.open("wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tessera.cli", "api", "--port", str(port)],
-                    env=env,
-                    cwd=REPO,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        urls.append(f"http://127.0.0.1:{port}")
-        logs.append(log)
     try:
-        for url, proc, log in zip(urls, procs, logs, strict=True):
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, f"the API process exited: {log.read_text()}"
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, f"the API did not start: {log.read_text()}"
-                time.sleep(0.1)
-        yield ApiProcesses(database_url, env, urls, logs)
+        with replica_processes(env, data) as replicas:
+            yield ApiProcesses(database_url, env, replicas.urls, replicas.logs)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=20)
         redis_client.delete(env["TESSERA_RECORDS_STREAM"])
 
 
@@ -398,7 +363,7 @@ def test_revoking_bumps_the_key_version_after_the_commit(session, acme_key, key_
 
 def test_an_unreachable_redis_bypasses_the_cache_instead_of_trusting_it(session, acme_key, queries):
     _, raw = acme_key
-    down = auth.KeyVersion(redis.Redis(port=_free_port(), socket_connect_timeout=0.5))
+    down = auth.KeyVersion(redis.Redis(port=free_port(), socket_connect_timeout=0.5))
     cache = auth.KeyCache()
     for _ in range(3):  # nothing to compare cached keys against: every call reads the database
         assert auth.verify_key(session, raw, cache=cache, version=down) is not None

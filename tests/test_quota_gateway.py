@@ -8,29 +8,28 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from datetime import datetime, timezone
 
 import httpx
 import pytest
 import redis
 import uvicorn
+from api_processes import api_processes, free_port
 from fastapi.testclient import TestClient
-from tessera import db, quota_config, tenancy
+from tessera import db, quota_config, quotas, tenancy
 from tessera.app import create_app
 from tessera.quotas import Limits, Quotas, Scope
 from tessera.settings import Settings
 from test_gateway import FakePools, reply, silent, wait_for
 
-from gpu_workers.protocol import GenerateTask, cancel_key, workers_key
+from gpu_workers.protocol import GenerateTask, cancel_key, worker_queue, workers_key
 
-REPO = Path(__file__).resolve().parents[1]
 REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RATE_HEADERS = (
     "x-ratelimit-limit-requests",
@@ -40,12 +39,6 @@ RATE_HEADERS = (
     "x-ratelimit-remaining-tokens",
     "x-ratelimit-reset-tokens",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -125,7 +118,7 @@ def stack(tmp_path_factory, demo_model_dir):
     pools = FakePools(client_redis, reply())
     app = create_app(settings)
     app.state.gateway.celery = pools
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -331,7 +324,7 @@ def test_a_failed_enqueue_gives_the_slot_back(gw, monkeypatch):
 
 def test_unreachable_redis_is_503_never_unlimited(stack):
     _, _, raw = stack.tenant(rpm=1000)
-    dead = f"redis://127.0.0.1:{_free_port()}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
     settings = stack.settings.model_copy(update={"redis_url": dead})
     with TestClient(create_app(settings)) as client:
         response = client.post("/v1/completions", headers=auth(raw), json=stack.body())
@@ -344,44 +337,85 @@ def test_unreachable_redis_is_503_never_unlimited(stack):
 # -- two API processes sharing Redis ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def replicas(stack):
-    """Two `tessera api` processes sharing the stack's Redis and database (no live workers needed: an
-    admitted request that finds none is a 503, which still proves it was admitted)."""
-    env = {
+def _replica_env(stack: Stack, **settings: str) -> dict[str, str]:
+    return {
         **os.environ,
         "TESSERA_DATA_DIR": str(stack.settings.data_dir),
         "TESSERA_DATABASE_URL": stack.settings.database_url,
         "TESSERA_REDIS_URL": REDIS_URL,
         "TESSERA_SECRET_KEY": stack.settings.secret_key.get_secret_value(),
         "TESSERA_RECORDS_STREAM": stack.settings.records_stream,
+        **{f"TESSERA_{name.upper()}": value for name, value in settings.items()},
     }
-    procs, urls = [], []
-    logs = [stack.settings.data_dir / f"api-{i}.log" for i in range(2)]
-    for log in logs:
-        port = _free_port()
-        with log.open("wb") as out:
-            cmd = [sys.executable, "-m", "tessera.cli", "api", "--port", str(port)]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
-        urls.append(f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def replicas(stack):
+    """Two `tessera api` processes sharing the stack's Redis and database (no live workers needed: an
+    admitted request that finds none is a 503, which still proves it was admitted)."""
+    with api_processes(_replica_env(stack), stack.settings.data_dir) as started:
+        yield started.urls
+
+
+@pytest.fixture(scope="module")
+def impatient_replicas(stack, tmp_path_factory):
+    """Two more `tessera api` processes whose requests time out after a second."""
+    logs = tmp_path_factory.mktemp("impatient-replicas")
+    with api_processes(_replica_env(stack, request_timeout_s="1"), logs) as started:
+        yield started.urls
+
+
+@pytest.fixture(scope="module")
+def served(stack, demo_model_dir):
+    """A colocated deployment whose worker is a real process (the gateway bench's stand-in): it takes each
+    task off its Celery queue and answers at once with one token and its usage."""
+    model = f"@test/quota-served-{uuid.uuid4().hex[:8]}"
+    with stack.sessions() as session:
+        config = {
+            "name": model,
+            "checkpoint": str(demo_model_dir),
+            "mode": "colocated",
+            "max_tokens_limit": 32,
+        }
+        tenancy.create_deployment(session, config, actor="test", redis=stack.pools.redis)
+    worker_id = f"stand-in-{uuid.uuid4().hex[:8]}"
+    code = "import sys; from tessera.bench.gateway_harness import stand_in_worker; stand_in_worker(*sys.argv[1:])"
+    log = stack.settings.data_dir / "stand-in-worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", code, REDIS_URL, model, worker_id], stdout=out, stderr=subprocess.STDOUT
+        )
     try:
-        for url, proc, log in zip(urls, procs, logs, strict=True):
-            deadline = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, f"the API process exited: {log.read_text()}"
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, f"the API did not start: {log.read_text()}"
-                time.sleep(0.1)
-        yield urls
+        assert wait_for(lambda: stack.pools.redis.hexists(workers_key(model, "serve"), worker_id), 60)
+        yield model
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=20)
+        worker.terminate()
+        worker.wait(timeout=20)
+        stack.pools.redis.delete(workers_key(model, "serve"), worker_queue(worker_id))
+
+
+async def _race(urls: list[str], raw: str, body: dict, n: int = 200) -> list[httpx.Response]:
+    """``n`` concurrent POSTs of ``body``, alternating between ``urls``."""
+    await _warm(urls, raw)
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=2 * n)) as client:
+        return await asyncio.gather(
+            *(
+                client.post(f"{urls[i % len(urls)]}/v1/completions", headers=auth(raw), json=body)
+                for i in range(n)
+            )
+        )
+
+
+async def _warm(urls: list[str], raw: str) -> None:
+    """Warm each process (key cache, tokenizer) so that a race is about admission alone. Its own client: a
+    connection it leaves idle could be closed by the server just as a race reuses it."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        for url in urls:
+            assert (await client.get(f"{url}/v1/models", headers=auth(raw))).status_code == 200
+
+
+def _ports(responses: list[httpx.Response]) -> set[int]:
+    return {r.request.url.port for r in responses}
 
 
 @pytest.mark.slow
@@ -414,6 +448,83 @@ def test_200_concurrent_requests_across_two_api_processes_admit_exactly_the_rpm(
     # Both processes did admit some: the limit held across replicas, not per process.
     assert {r.request.url.port for r in admitted} == {int(u.rsplit(":", 1)[1]) for u in replicas}
     assert stack.in_flight(tenant_id) == 0
+
+
+@pytest.mark.slow
+def test_tokens_admitted_across_two_api_processes_never_exceed_the_tpm(stack, replicas, served):
+    _, tenant_id, raw = stack.tenant(tpm=400)
+    # Each request reserves 4 prompt + 16 tokens at admission and settles to the 5 it used: at most 20
+    # at once fit, and at most 80 in the minute; 200 sent at once through two processes.
+    body = {"model": served, "prompt": [1, 2, 3, 4], "max_tokens": 16}
+    responses = asyncio.run(_race(replicas, raw, body))
+    admitted = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(admitted) + len(rejected) == 200, {r.status_code for r in responses}
+    assert {r.json()["error"]["code"] for r in rejected} == {"rate_limit_exceeded"}
+    used = sum(r.json()["usage"]["total_tokens"] for r in admitted)
+    assert 20 * 5 <= used <= 400  # all that fit while every reservation was held, and never more than tpm
+    assert _ports(admitted) == _ports(responses)  # both processes admitted some
+    assert wait_for(lambda: stack.reserved_tokens(tenant_id) == used)  # the window holds exactly the use
+    assert stack.in_flight(tenant_id) == 0
+
+
+@pytest.mark.slow
+def test_concurrent_requests_across_two_api_processes_never_overspend_the_daily_budget(
+    stack, replicas, served
+):
+    _, tenant_id, raw = stack.tenant(daily_tokens=300)
+    body = {"model": served, "prompt": [1, 2, 3, 4], "max_tokens": 16}
+    responses = asyncio.run(_race(replicas, raw, body))
+    admitted = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(admitted) + len(rejected) == 200, {r.status_code for r in responses}
+    assert {r.json()["error"]["code"] for r in rejected} == {"quota_exceeded"}
+    used = sum(r.json()["usage"]["total_tokens"] for r in admitted)
+    assert 15 * 5 <= used <= 300
+    assert _ports(admitted) == _ports(responses)
+    scope = Scope(quota_config.tenant_scope(tenant_id), Limits())
+    day_key = quotas._period_keys(scope, datetime.now(timezone.utc))[0]
+    assert wait_for(lambda: int(stack.pools.redis.get(day_key) or 0) == used)  # settled to the use
+    assert stack.in_flight(tenant_id) == 0
+
+
+@pytest.mark.slow
+def test_after_100_cancelled_and_100_timed_out_requests_on_two_api_processes_nothing_is_in_flight(
+    stack, impatient_replicas
+):
+    n = 100
+    _, tenant_id, raw = stack.tenant(concurrency=2 * n + 10, tpm=1_000_000)
+    urls = impatient_replicas
+
+    async def campaign():
+        await _warm(urls, raw)
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=4 * n)) as c:
+            # The worker never answers: each request ends at its deadline (504), or when its client leaves.
+            timed_out = [
+                c.post(f"{urls[i % 2]}/v1/completions", headers=auth(raw), json=stack.body())
+                for i in range(n)
+            ]
+            hung_up = [
+                _hang_up_after_first_chunk(urls[i % 2], raw, stack.body(stream=True)) for i in range(n // 2)
+            ]
+            gave_up = [_give_up_waiting(urls[i % 2], raw, stack.body()) for i in range(n // 2)]
+            return await asyncio.gather(
+                asyncio.gather(*timed_out), asyncio.gather(*hung_up), asyncio.gather(*gave_up)
+            )
+
+    unserved = [worker_queue(f"{pool}-1") for pool in ("prefill", "decode")]  # nobody takes their tasks
+    stack.pools.redis.delete(*unserved)  # under the deployment's queue bound
+    try:
+        with stack.heartbeating():
+            timed_out, streams, gave_up = asyncio.run(campaign())
+    finally:
+        stack.pools.redis.delete(*unserved)
+    assert [r.status_code for r in timed_out] == [504] * n, timed_out[0].text
+    assert _ports(timed_out) == {int(u.rsplit(":", 1)[1]) for u in urls}
+    assert streams == [200] * (n // 2) and gave_up == ["gave up"] * (n // 2)
+    # Settled, not expired: the leases would take 30 s to lapse on their own.
+    assert wait_for(lambda: stack.in_flight(tenant_id) == 0, timeout_s=10)
+    assert wait_for(lambda: stack.reserved_tokens(tenant_id) == 0, timeout_s=10)  # no token was produced
 
 
 def test_a_changed_limit_applies_within_the_lookup_ttl_without_a_restart(gw):
