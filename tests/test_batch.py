@@ -595,3 +595,22 @@ def test_fifty_items_all_complete_with_usage_after_the_decode_worker_is_killed_a
     assert result["usage"]["completion_tokens"] == sum(
         r["result"]["usage"]["completion_tokens"] for r in responses
     )
+
+
+def test_the_batch_bodies_and_answers_are_in_the_openapi_schema(gw):
+    schema = gw.client.get("/openapi.json").json()
+    components = set(schema["components"]["schemas"])
+    assert {
+        "RunRequest",
+        "BatchRequest",
+        "PollRequest",
+        "BatchStatus",
+        "BatchResults",
+        "BatchResponse",
+    } <= components
+    for path in ("/accounts/{account_id}/ai/run/{model}", "/client/v4/accounts/{account_id}/ai/run/{model}"):
+        operation = schema["paths"][path]["post"]
+        assert "queueRequest" in [p["name"] for p in operation["parameters"]]
+        body = json.dumps(operation["requestBody"])
+        assert all(name in body for name in ("RunRequest", "BatchRequest", "PollRequest"))
+        assert "413" in operation["responses"]
