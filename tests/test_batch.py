@@ -271,6 +271,27 @@ def test_an_item_failing_for_good_is_not_retried(gw, account):
     assert len(gw.pools.sent) == 2
 
 
+def test_items_of_a_key_revoked_after_queueing_fail_without_running(gw, account):
+    with gw.sessions() as session:
+        key, secret = tenancy.create_key(session, "acme")
+    queue_name = worker_queue("prefill-1")
+    gw.pools.redis.rpush(queue_name, "waiting")  # hold the batch back until the key is revoked
+    try:
+        batch_id = queued_id(queue(gw.client, account, gw.model, [{"prompt": "a"}, {"prompt": "b"}], secret))
+        with gw.sessions() as session:
+            tenancy.revoke_key(session, key.prefix)
+    finally:
+        gw.pools.redis.delete(queue_name)
+
+    def failed() -> list[BatchItem] | None:
+        items = items_of(gw.sessions, batch_id)
+        return items if all(i.status == "failed" for i in items) else None
+
+    items = wait_for(failed, 30)
+    assert all(i.error["code"] == "invalid_api_key" and "revoked" in i.error["message"] for i in items)
+    assert gw.pools.sent == []
+
+
 def test_quotas_are_checked_when_an_item_runs_and_a_429_leaves_it_queued(gw, account):
     name = f"batchq-{uuid.uuid4().hex[:8]}"  # a fresh tenant: its quota counters start empty
     with gw.sessions() as session:

@@ -25,7 +25,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from tessera.models import Batch, BatchItem, Tenant, utcnow
+from tessera.models import ApiKey, Batch, BatchItem, Tenant, utcnow
 from tessera.tenancy import NotFound
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Claimed:
     body: dict[str, Any]
     request_id: str  # this attempt's request id: its record, quota reservation and ledger entry
     attempts: int  # including this one
+    key_valid: bool = True  # False: the key that queued it was revoked or expired since
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,9 @@ def claim(
             item = session.get(BatchItem, (batch_id, index), populate_existing=True)
             batch = session.get(Batch, batch_id)
             assert item is not None and batch is not None
+            key = session.get(ApiKey, batch.key_id) if batch.key_id is not None else None
+            key_valid = key is not None and key.revoked_at is None
+            key_valid = key_valid and (key.expires_at is None or key.expires_at > utcnow())
             claimed.append(
                 Claimed(
                     batch_id=batch_id,
@@ -191,6 +195,7 @@ def claim(
                     body=dict(item.body),
                     request_id=request_id,
                     attempts=item.attempts,
+                    key_valid=key_valid,
                 )
             )
     return claimed
@@ -255,6 +260,15 @@ def release(session: Session, runner_id: str, *, interrupted_by_us: bool, max_at
         requeued = session.execute(base.values(status="queued", claimed_by=None, updated_at=now)).rowcount
     session.commit()
     return requeued
+
+
+_REVOKED = Failed(
+    {
+        "code": "invalid_api_key",
+        "message": "the API key that queued this batch was revoked or has expired; queue it again with a valid key",
+        "status": 401,
+    }
+)
 
 
 # --- the runner -----------------------------------------------------------------------------------------
@@ -359,7 +373,7 @@ class BatchRunner:
 
     async def _run(self, item: Claimed) -> None:
         try:
-            outcome = await self.dispatch(item)
+            outcome = await self.dispatch(item) if item.key_valid else _REVOKED
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a fault of ours: retried, within the attempts
