@@ -417,8 +417,9 @@ def test_a_gateway_restart_resumes_the_items_it_was_running(lone):
 def test_items_of_a_gateway_that_died_are_resumed_by_another(lone):
     settings, sessions, pools, model, tenant_id, key = lone
     with sessions() as session:
+        key_id = tenancy.get_key(session, key).id
         batch_id = batch.submit(
-            session, tenant_id=tenant_id, key_id=None, model=model, items=[({"prompt": "orphan"}, "ref")]
+            session, tenant_id=tenant_id, key_id=key_id, model=model, items=[({"prompt": "orphan"}, "ref")]
         ).id
         # A runner claims it, then its process dies: no clean stop, and its liveness key never existed.
         [claimed] = batch.claim(session, model, "runner-that-died", 10)

@@ -183,8 +183,9 @@ def claim(
             batch = session.get(Batch, batch_id)
             assert item is not None and batch is not None
             key = session.get(ApiKey, batch.key_id) if batch.key_id is not None else None
-            key_valid = key is not None and key.revoked_at is None
-            key_valid = key_valid and (key.expires_at is None or key.expires_at > utcnow())
+            key_valid = key is None or (
+                key.revoked_at is None and (key.expires_at is None or key.expires_at > utcnow())
+            )
             claimed.append(
                 Claimed(
                     batch_id=batch_id,
