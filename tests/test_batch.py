@@ -21,6 +21,7 @@ from tessera.app import create_app
 from tessera.models import BatchItem, RequestRecord
 from tessera.quotas import Limits
 from tessera.settings import Settings
+from test_admin_api import migrated_sessions as migrated_sessions
 from test_gateway import FakePools, fail, reply, silent, sync_redis, wait_for
 from test_gateway import gw as gw
 from test_gateway import redis_url as redis_url
@@ -636,3 +637,36 @@ def test_the_batch_bodies_and_answers_are_in_the_openapi_schema(gw):
         body = json.dumps(operation["requestBody"])
         assert all(name in body for name in ("RunRequest", "BatchRequest", "PollRequest"))
         assert "413" in operation["responses"]
+
+
+def test_concurrent_claims_take_each_item_exactly_once_on_both_databases(migrated_sessions):
+    with migrated_sessions() as session:
+        tenant_id = tenancy.create_tenant(session, "racer").id
+        batch_id = batch.submit(
+            session,
+            tenant_id=tenant_id,
+            key_id=None,
+            model="@t/race",
+            items=[({"prompt": f"p{i}"}, None) for i in range(60)],
+        ).id
+    claims: list[list[batch.Claimed]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def runner(n: int) -> None:
+        start.wait()
+        with migrated_sessions() as session:
+            while taken := batch.claim(session, "@t/race", f"runner-{n}", 3):
+                claims[n] += taken
+
+    threads = [threading.Thread(target=runner, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    taken = [(c.batch_id, c.index) for runner_claims in claims for c in runner_claims]
+    assert sorted(taken) == [(batch_id, i) for i in range(60)]  # all, and none twice
+    items = items_of(migrated_sessions, batch_id)
+    by_item = {
+        (c.batch_id, c.index): f"runner-{n}" for n, runner_claims in enumerate(claims) for c in runner_claims
+    }
+    assert all(i.status == "running" and i.claimed_by == by_item[(batch_id, i.index)] for i in items)
