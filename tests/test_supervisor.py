@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from tessera.supervisor import GaveUp, Supervisor
 
+from gpu_workers.protocol import EXIT_RELOAD
+
 PY = sys.executable
 
 
@@ -110,3 +112,31 @@ def _pgid(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_a_child_exiting_to_reload_is_restarted_at_once_without_backoff(tmp_path):
+    # A backoff longer than the test may wait: only the reload path can restart it in time.
+    supervisor = Supervisor(io.StringIO(), backoff_s=60, settle_s=30, max_quick_failures=3)
+    code = f"import sys; print('drained', flush=True); sys.exit({EXIT_RELOAD})"
+    child = supervisor.spawn("decode worker", [PY, "-c", code], None, tmp_path / "decode.log")
+    try:
+        pids = [child.process.pid]
+        for _ in range(2):
+            tend_until(supervisor, lambda: child.process.pid != pids[-1], timeout_s=10)
+            pids.append(child.process.pid)
+        out = supervisor.out.getvalue()
+        assert f"the decode worker (pid {pids[0]}) exited to reload its config; restarted it at once" in out
+        assert "restarting it in" not in out and child.restart_at is None
+    finally:
+        supervisor.stop()
+
+
+def test_reload_exits_that_keep_coming_right_after_start_fall_back_to_backoff(tmp_path):
+    supervisor = Supervisor(io.StringIO(), backoff_s=0.05, settle_s=30, max_quick_failures=3)
+    code = f"import sys; sys.exit({EXIT_RELOAD})"
+    supervisor.spawn("prefill worker", [PY, "-c", code], None, tmp_path / "prefill.log")
+    with pytest.raises(GaveUp) as gave_up:
+        tend_until(supervisor, lambda: False)
+    out = supervisor.out.getvalue()
+    assert out.count("restarted it at once") == 2  # the third quick reload in a row is a failure
+    assert f"exited with code {EXIT_RELOAD}" in str(gave_up.value)

@@ -1,9 +1,11 @@
-"""Worker liveness in Redis: publish this worker's WorkerInfo, and notice peers that stopped publishing theirs.
+"""Worker liveness in Redis: publish this worker's WorkerInfo, notice peers that stopped publishing theirs, and
+tell whether this worker still serves its deployment's announced config.
 
 Every ``HEARTBEAT_INTERVAL_S`` the worker HSETs its ``WorkerInfo`` into ``workers_key(deployment, pool)``;
 the router treats entries older than ``HEARTBEAT_TTL_S`` as dead. The same tick runs the worker's periodic
-upkeep and looks for dead peers of the same pool: exactly one live peer (whoever removes the entry first)
-is handed each dead worker, to recover its requests.
+upkeep and looks at its peers of the same pool: exactly one live peer (whoever removes the entry first)
+is handed each dead worker, to recover its requests; every peer that is draining for a reload hands its
+own queue over (the router may still pick it until its entry goes stale).
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from collections.abc import Callable
 
 import redis
 
-from gpu_workers.protocol import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, WorkerInfo, workers_key
+from gpu_workers.protocol import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    DeploymentSpec,
+    MessageError,
+    WorkerInfo,
+    config_key,
+    workers_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +37,20 @@ class Heartbeat:
         info: Callable[[], WorkerInfo],
         on_tick: Callable[[], None] = lambda: None,
         on_dead_peer: Callable[[str], None] = lambda worker_id: None,
+        on_draining_peer: Callable[[str], None] = lambda worker_id: None,
         interval_s: float = HEARTBEAT_INTERVAL_S,
     ):
         self.client = client
         self.info = info
         self.on_tick = on_tick
         self.on_dead_peer = on_dead_peer
+        self.on_draining_peer = on_draining_peer
         self.interval_s = interval_s
         first = info()
         self.worker_id = first.worker_id
         self.key = workers_key(first.deployment, first.pool)
         self._stop = threading.Event()
+        self._left = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -45,33 +58,93 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop beating and remove this worker from the pool, so the router stops choosing it at once."""
+    def stop(self, leave: bool = True) -> None:
+        """Stop beating and remove this worker from the pool, so the router stops choosing it at once;
+        ``leave=False`` (a reload) beats once more instead: the entry stays until it goes stale, so requests
+        keep being routed to this worker's queue, which its peers (its successor) hand over."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         try:
+            if not leave:
+                self.beat()
+                return
             self.client.hdel(self.key, self.worker_id)
         except redis.RedisError:  # Redis is gone too: the entry goes stale and a peer reaps it
             log.warning("could not remove worker %s from %s", self.worker_id, self.key, exc_info=True)
 
+    def leave(self) -> None:
+        """Leave the pool now (the router stops choosing this worker) but keep running the upkeep, which
+        renews the leases of the requests it still serves."""
+        self._left.set()
+        self.client.hdel(self.key, self.worker_id)
+
     def beat(self) -> None:
-        self.client.hset(self.key, self.worker_id, self.info().to_json())
+        if not self._left.is_set():
+            self.client.hset(self.key, self.worker_id, self.info().to_json())
+
+    def live_peers(self) -> list[WorkerInfo]:
+        now = time.time()
+        peers = (WorkerInfo.from_json(raw) for raw in self.client.hvals(self.key))
+        return [p for p in peers if p.worker_id != self.worker_id and now - p.last_seen < HEARTBEAT_TTL_S]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for step in (self.beat, self.on_tick, self._find_dead_peers):
+            steps = (self.on_tick,) if self._left.is_set() else (self.beat, self.on_tick, self._look_at_peers)
+            for step in steps:
                 try:
                     step()
                 except Exception:  # a Redis hiccup must not end the heartbeat: the next tick retries
                     log.exception("heartbeat step %s failed", getattr(step, "__name__", step))
 
-    def _find_dead_peers(self) -> None:
+    def _look_at_peers(self) -> None:
         now = time.time()
         for worker_id, raw in self.client.hgetall(self.key).items():
             worker_id = worker_id.decode()
-            if worker_id == self.worker_id or now - WorkerInfo.from_json(raw).last_seen < HEARTBEAT_TTL_S:
+            if worker_id == self.worker_id:
+                continue
+            peer = WorkerInfo.from_json(raw)
+            if now - peer.last_seen < HEARTBEAT_TTL_S:
+                if peer.draining:
+                    self.on_draining_peer(worker_id)
                 continue
             if self.client.hdel(self.key, worker_id):  # only the peer that removed it recovers it
-                log.warning("worker %s stopped heartbeating; recovering its requests", worker_id)
+                if peer.draining:
+                    log.info("worker %s left for a reload; taking over its queue", worker_id)
+                else:
+                    log.warning("worker %s stopped heartbeating; recovering its requests", worker_id)
                 self.on_dead_peer(worker_id)
+
+
+class ConfigWatch:
+    """Whether ``spec`` is still its deployment's announced config (``config_key``, set by the control plane
+    after each committed change): ``version`` is the announced version ``spec`` is, ``announced`` the
+    latest one."""
+
+    def __init__(self, client: redis.Redis, spec: DeploymentSpec):
+        self.client = client
+        self.spec = spec
+        self.version: int | None = None
+        self.announced: int | None = None
+
+    def current(self) -> bool:
+        version, raw = self.client.hmget(config_key(self.spec.name), "version", "spec")
+        if raw is None:
+            return True  # nothing announced (say, a Redis that restarted empty): the database's config stands
+        try:
+            announced = DeploymentSpec.from_json(raw)
+        except MessageError:
+            log.exception("ignoring an unreadable config announcement for %s", self.spec.name)
+            return True
+        self.announced = int(version)
+        if announced != self.spec:
+            return False
+        self.version = self.announced
+        return True
+
+    def successor(self, peers: list[WorkerInfo]) -> WorkerInfo | None:
+        """A peer serving the latest announced config, ready to take this worker's place."""
+        for peer in peers:
+            if peer.config_version == self.announced and not (peer.config_stale or peer.draining):
+                return peer
+        return None

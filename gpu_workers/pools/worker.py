@@ -7,6 +7,17 @@ If the engine stops for good (``Engine.failed``: a device error, or steps that k
 leaves its pool at once (no more heartbeats, its entry removed), its running requests end with
 ``worker_lost``, the tasks it had not started go back to the pool queue, and the process exits with
 ``EXIT_ENGINE_FAILED`` so that its supervisor starts a fresh one.
+
+A config change reaches the worker through its heartbeat (``ConfigWatch``): when the deployment's announced
+config is no longer the one it serves, it reports ``config_stale`` and drains: it stops taking tasks, finishes
+the requests it is serving on the engine it has, and exits with ``EXIT_RELOAD``, which its supervisor answers
+by starting it at once on the config re-read from the database. When to drain:
+- under a supervisor that starts a successor for a stale worker (``tessera up`` sets ``SUCCESSOR_FIRST_ENV``),
+  it keeps serving until a peer on the new config is live, then leaves the pool and drains: the pool never
+  goes without a live worker;
+- otherwise at once. Its heartbeat entry stays (marked ``draining``) until it goes stale, so the router keeps
+  queueing requests for it while it restarts; its successor hands that queue over to the pool each tick.
+Either way queued requests wait and none fails, unless a restart outlasts the heartbeat TTL in the second case.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 
@@ -24,9 +36,19 @@ from celery.worker import state as celery_state
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
 from gpu_workers.pools.handoff import HandoffStore
-from gpu_workers.pools.heartbeat import Heartbeat
+from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
+from gpu_workers.pools.metrics import EngineCollector, Exporter
 from gpu_workers.pools.tasks import TaskRunner
-from gpu_workers.protocol import POOLS, DeploymentSpec, WorkerInfo, connect_redis, make_celery, worker_queue
+from gpu_workers.protocol import (
+    EXIT_RELOAD,
+    POOLS,
+    SUCCESSOR_FIRST_ENV,
+    DeploymentSpec,
+    WorkerInfo,
+    connect_redis,
+    make_celery,
+    worker_queue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +87,16 @@ def run_worker(
     handoff: str = "auto",
     device: str | None = None,
     loglevel: str = "INFO",
+    metrics_port: int = 0,
 ) -> None:
     """Serve ``spec``'s ``pool`` until the process is told to stop (SIGTERM/SIGINT: finish running tasks);
-    if the engine fails for good, raise SystemExit(EXIT_ENGINE_FAILED) once running tasks have ended.
+    if the engine fails for good, raise SystemExit(EXIT_ENGINE_FAILED) once running tasks have ended; if the
+    deployment's announced config is no longer ``spec``, SystemExit(EXIT_RELOAD) once they have ended.
 
     ``threads`` bounds the requests this worker serves at once (each task holds a thread until its request
     ends), so it should be close to ``spec.max_num_seqs``. ``handoff`` (prefill): ``auto`` uses shared
     memory when every decode worker is on this host, else Redis; ``redis`` or ``shm`` force one.
+    ``metrics_port``: serve the worker's Prometheus meters there (0: off).
     """
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
@@ -83,6 +108,12 @@ def run_worker(
     worker_id = worker_id or default_worker_id(pool)
     host = socket.gethostname()
     client = connect_redis(redis_url)
+    watch = ConfigWatch(client, spec)
+    if not watch.current():  # changed since the caller read the database: read it again before loading
+        log.info("worker %s: the config of %s changed before it started; reloading", worker_id, spec.name)
+        raise SystemExit(EXIT_RELOAD)
+    stale, draining = threading.Event(), threading.Event()
+    successor_first = os.environ.get(SUCCESSOR_FIRST_ENV) == "1"
     config = engine_config(spec, pool, secret, device)
     engine = Engine.from_pretrained(spec.checkpoint, config)
     app = make_celery(redis_url)
@@ -122,13 +153,50 @@ def run_worker(
             prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
             prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
             generated_tokens=stats["generated_tokens"],
+            config_version=watch.version,
+            integrity_check=spec.integrity_check,
+            config_stale=stale.is_set(),
+            draining=draining.is_set(),
         )
 
     def upkeep() -> None:
         runner.inflight.renew()
         store.sweep()
+        if draining.is_set():
+            return
+        if watch.current():
+            stale.clear()  # changed back before it drained
+            return
+        if not stale.is_set():
+            stale.set()
+            then = "serving until a successor is live" if successor_first else "draining, then reloading"
+            log.info(
+                "worker %s: %s is now config version %s; %s", worker_id, spec.name, watch.announced, then
+            )
+            heartbeat.beat()  # a supervisor sees it stale now
+        if successor_first:
+            successor = watch.successor(heartbeat.live_peers())
+            if successor is None:
+                return
+            log.info(
+                "worker %s: %s serves the new config; leaving the pool to drain",
+                worker_id,
+                successor.worker_id,
+            )
+            heartbeat.leave()
+            runner.requeue_worker_queue(worker_id)  # the router may have picked it just before it left
+        draining.set()
+        heartbeat.beat()  # peers see it draining now (if it is still in the pool)
+        # Celery's warm shutdown: no new tasks, the running ones finish on this engine, then exit.
+        celery_state.should_stop = EXIT_RELOAD
 
-    heartbeat = Heartbeat(client, info, on_tick=upkeep, on_dead_peer=runner.recover)
+    heartbeat = Heartbeat(
+        client,
+        info,
+        on_tick=upkeep,
+        on_dead_peer=runner.recover,
+        on_draining_peer=runner.requeue_worker_queue,
+    )
 
     def on_engine_failure(error: BaseException) -> None:
         log.critical("worker %s: the engine failed for good (%s); leaving the pool", worker_id, error)
@@ -136,6 +204,12 @@ def run_worker(
         # Celery's warm shutdown: no new tasks, the running ones end (each with worker_lost), then exit.
         celery_state.should_stop = EXIT_ENGINE_FAILED
 
+    queues = [spec.queue(pool), worker_queue(worker_id)]
+    exporter = Exporter(  # budgets-metrics: the worker's Prometheus meters
+        EngineCollector(spec.name, pool, engine.stats, lambda: sum(client.llen(q) for q in queues)),
+        metrics_port,
+    )
+    exporter.start()  # first: a port already taken fails the worker before it serves anything
     engine.start(on_failure=on_engine_failure)
     heartbeat.start()
     log.info("worker %s serving %s/%s on %s (%s KV)", worker_id, spec.name, pool, device, kv_format)
@@ -152,8 +226,14 @@ def run_worker(
             quiet=True,
         ).start()
     finally:
-        heartbeat.stop()
+        reloading = draining.is_set() and engine.failed is None
+        heartbeat.stop(leave=successor_first or not reloading)
+        exporter.stop()
         engine.stop()
+    if reloading:
+        runner.requeue_worker_queue(worker_id)  # what was queued for it while it drained: its successor's
+        log.info("worker %s drained; exits with %d to restart on the new config", worker_id, EXIT_RELOAD)
+        raise SystemExit(EXIT_RELOAD)
     if engine.failed is not None:
         # Nobody consumes this worker's own queue any more, and with its entry gone no peer recovers it.
         runner.requeue_worker_queue(worker_id)
@@ -171,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handoff", default="auto", choices=("auto", "redis", "shm"))
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--loglevel", default="INFO")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus meters on this port (0: off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     secret = os.environ.get(SECRET_ENV)
@@ -187,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         handoff=args.handoff,
         device=args.device,
         loglevel=args.loglevel,
+        metrics_port=args.metrics_port,
     )
     return 0
 

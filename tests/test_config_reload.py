@@ -1,0 +1,158 @@
+"""A deployment's config changed through the admin API while requests stream, on a real ``tessera up`` (real
+worker processes, supervisor, API, embedded Redis): the workers drain and reload, no request fails, new
+requests run on the new config (``/admin/pools``), and the audit log holds each change."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import redis
+from tessera.launcher import DEFAULT_MODEL
+from test_launcher import assert_all_stopped, read_line, start_up, stop_up
+
+from gpu_workers.protocol import WorkerInfo, workers_key
+
+pytestmark = pytest.mark.slow
+
+RELOAD_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    up = start_up(tmp_path_factory.mktemp("reload"))
+    yield up
+    assert stop_up(up, signal.SIGTERM) == 0, up.output
+    assert_all_stopped(up)
+
+
+def admin(up, method: str, path: str, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {up.key}"}
+    return httpx.request(method, f"{up.url}/admin{path}", headers=headers, timeout=60, **kwargs)
+
+
+def pools(up) -> list[dict]:
+    response = admin(up, "GET", "/pools")
+    assert response.status_code == 200, response.text
+    return [p for p in response.json()["data"] if p["deployment"] == DEFAULT_MODEL]
+
+
+def wait_for_config(up, version: int, decode_kv: str, integrity_check: bool) -> list[dict]:
+    """Until both pools' live workers all serve ``version`` (none draining); the pools then."""
+    deadline = time.monotonic() + RELOAD_TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = pools(up)
+        workers = [w for p in found for w in p["workers"]]
+        if (
+            {p["pool"] for p in found if p["live_workers"]} == {"prefill", "decode"}
+            and {w["config_version"] for w in workers} == {version}
+            and not any(w["draining"] for w in workers)
+        ):
+            decode = next(p for p in found if p["pool"] == "decode")
+            assert decode["kv_formats"] == [decode_kv]
+            assert {w["integrity_check"] for w in workers} == {integrity_check}
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"workers not on config {version} in {RELOAD_TIMEOUT_S}s: {pools(up)}\n{up.output}")
+
+
+@dataclass
+class Load:
+    """Streaming completions sent back to back from a few clients until stopped; every outcome kept."""
+
+    up: object
+    clients: int = 3
+    outcomes: list[tuple[int, str]] = field(default_factory=list)  # (status, what went wrong or "")
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def one(self) -> tuple[int, str]:
+        body = {"model": DEFAULT_MODEL, "prompt": "def add(a, b):", "max_tokens": 16, "stream": True}
+        headers = {"Authorization": f"Bearer {self.up.key}"}
+        try:
+            with httpx.stream(
+                "POST", f"{self.up.url}/v1/completions", headers=headers, json=body, timeout=120
+            ) as response:
+                text = response.read().decode()
+        except httpx.HTTPError as e:
+            return 0, f"transport: {e!r}"
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        if response.status_code != 200 or events[-1:] != ["[DONE]"]:
+            return response.status_code, text[-500:]
+        errors = [e for e in events[:-1] if "error" in json.loads(e)]
+        return 200, errors[0] if errors else ""
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.outcomes.append(self.one())
+
+    def __enter__(self) -> Load:
+        self._pool = ThreadPoolExecutor(self.clients)
+        self._futures = [self._pool.submit(self.run) for _ in range(self.clients)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for future in self._futures:
+            future.result()
+        self._pool.shutdown()
+
+    def wait_for(self, n: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.outcomes) < n:
+            assert time.monotonic() < deadline, f"only {len(self.outcomes)} requests ended in {timeout_s}s"
+            time.sleep(0.2)
+
+
+def decode_generated(up) -> dict[str, int]:
+    client = redis.Redis(unix_socket_path=up.redis_socket)
+    try:
+        infos = [WorkerInfo.from_json(v) for v in client.hvals(workers_key(DEFAULT_MODEL, "decode"))]
+    finally:
+        client.close()
+    return {i.worker_id: i.generated_tokens for i in infos if not i.draining}
+
+
+def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_request(up):
+    # `tessera up` made the deployment (version 1) with FP8 decode KV; start from bf16, integrity on.
+    response = admin(up, "PATCH", f"/deployments/{DEFAULT_MODEL}", json={"decode_kv": "bf16"})
+    assert response.status_code == 200, response.text
+    wait_for_config(up, version=2, decode_kv="bf16", integrity_check=True)
+
+    with Load(up) as load:
+        load.wait_for(3)
+        first = admin(up, "PATCH", f"/deployments/{DEFAULT_MODEL}", json={"decode_kv": "fp8_e4m3"})
+        assert first.status_code == 200, first.text
+        load.wait_for(len(load.outcomes) + 2)  # the second change lands while the first one drains
+        second = admin(up, "PATCH", f"/deployments/{DEFAULT_MODEL}", json={"integrity_check": False})
+        assert second.status_code == 200, second.text
+        wait_for_config(up, version=4, decode_kv="fp8_e4m3", integrity_check=False)
+        before = decode_generated(up)
+        settled = len(load.outcomes)
+        load.wait_for(settled + 6)  # requests sent after every worker serves the new config
+    failed = [o for o in load.outcomes if o != (200, "")]
+    assert not failed, f"{len(failed)} of {len(load.outcomes)} requests failed: {failed[:3]}\n{up.output}"
+    # The new requests ran on the reloaded decode worker: it produced their tokens.
+    after = decode_generated(up)
+    assert after.keys() == before.keys() and sum(after.values()) > sum(before.values())
+    # Each worker was replaced by a successor started first; each old one left, its requests finished.
+    deadline = time.monotonic() + RELOAD_TIMEOUT_S
+    while (started := up.output.count("to take over from pid")) < 4 or started != up.output.count(
+        "it replaced exited"
+    ):
+        assert time.monotonic() < deadline, f"the old workers were not all replaced:\n{up.output}"
+        read_line(up, 0.5)
+    assert up.output.count("it replaced exited with code 75") == started, up.output
+
+    audit = admin(up, "GET", f"/deployments/{DEFAULT_MODEL}/audit").json()["data"]
+    assert [e["changes"] for e in audit[:3]] == [
+        {"integrity_check": [True, False]},
+        {"decode_kv": ["bf16", "fp8_e4m3"]},
+        {"decode_kv": ["fp8_e4m3", "bf16"]},
+    ]
+    assert all(e["action"] == "update" and e["actor"].startswith("key:") for e in audit[:3])
