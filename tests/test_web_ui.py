@@ -167,10 +167,21 @@ def browser():
 
 @pytest.fixture
 def context(browser, server):
+    """A desktop browser context; any script error or CSP violation on its pages fails the test."""
     context = browser.new_context(base_url=server.url, viewport={"width": 1366, "height": 768})
     context.set_default_timeout(WAIT_MS)
+    errors: list[str] = []
+    # A refused resource (the 401/403 pages the tests ask for) is logged too; anything else is a fault.
+    context.on(
+        "console",
+        lambda m: (
+            m.type == "error" and not m.text.startswith("Failed to load resource") and errors.append(m.text)
+        ),
+    )
+    context.on("weberror", lambda e: errors.append(str(e.error)))
     yield context
     context.close()
+    assert errors == [], errors
 
 
 def sign_in(page, key: str, path: str = "/signin"):
