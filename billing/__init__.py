@@ -40,7 +40,7 @@ from billing.prices import (
     usd,
 )
 from billing.rollups import BadCursor, UsageLine, list_events, usage_report
-from billing.schema import NO_KEY, Invoice, InvoiceLine, LedgerEvent, Price, Rollup, metadata
+from billing.schema import NO_KEY, Invoice, InvoiceLine, InvoiceSum, LedgerEvent, Price, Rollup, metadata
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -54,6 +54,7 @@ __all__ = [
     "BillingConsumer",
     "Invoice",
     "InvoiceLine",
+    "InvoiceSum",
     "InvoiceSummary",
     "InvoiceView",
     "LedgerEvent",

@@ -4,8 +4,8 @@ reconciliation of ledger, rollups and invoices.
 Which invoice an event is billed on is decided once, when the ledger inserts it (``assign_invoice_periods``,
 in the insert's transaction): the invoice of the month it finished in, unless that invoice is closed (its
 period and grace window are over, or it is already final), then the next open one's, where it is an
-adjustment line naming the month it belongs to. A period's invoice stays ``draft`` (lines computed from the
-ledger on each read) until it closes; the first read after that finalises it: its lines are stored and never
+adjustment line naming the month it belongs to. A period's invoice stays ``draft`` (its lines read from the
+invoice sums the ledger insert keeps in its transaction, like the rollups) until it closes; the first read after that finalises it: its lines are stored and never
 change. The ledger insert holds a share lock on the invoice row it bills to, and finalising takes the row's
 write lock before reading the ledger, so an event is always on exactly one invoice, whatever the clocks say.
 
@@ -27,7 +27,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from billing.rollups import BadCursor, decode_cursor, encode_cursor
-from billing.schema import Invoice, InvoiceLine, LedgerEvent, Price, Rollup, utcnow
+from billing.schema import Invoice, InvoiceLine, InvoiceSum, LedgerEvent, Price, Rollup, utcnow
 
 DEFAULT_GRACE = timedelta(days=3)
 KINDS = ("cached_input", "fresh_input", "output")
@@ -172,35 +172,16 @@ class InvoiceSummary:
     total: int  # micro-USD
 
 
-def _ledger_lines(session: Session, tenant_id: str, period: str) -> list[Line]:
-    """The lines of everything the ledger bills on ``tenant_id``'s invoice of ``period``."""
-    e = LedgerEvent
+def _draft_lines(session: Session, tenant_id: str, period: str) -> list[Line]:
+    """The lines of everything billed on ``tenant_id``'s invoice of ``period``, from the invoice sums the
+    ledger insert keeps."""
     query = (
-        select(
-            e.day,
-            e.model,
-            e.price_id,
-            func.count(),
-            func.sum(e.cached_input_tokens),
-            func.sum(e.fresh_input_tokens),
-            func.sum(e.output_tokens),
-            func.sum(e.cached_input_cost),
-            func.sum(e.fresh_input_cost),
-            func.sum(e.output_cost),
-        )
-        .where(e.tenant_id == tenant_id, e.invoice_period == period)
-        .group_by(e.day, e.model, e.price_id)
+        select(InvoiceSum, Price)
+        .outerjoin(Price, Price.id == InvoiceSum.price_id)
+        .where(InvoiceSum.tenant_id == tenant_id, InvoiceSum.period == period)
     )
-    sums: dict[tuple[str, str, int | None], list[int]] = defaultdict(lambda: [0] * 7)
-    for day, model, price_id, *values in session.execute(query):
-        total = sums[(period_of(day), model, price_id)]
-        for i, value in enumerate(values):
-            total[i] += int(value or 0)
-    ids = {price_id for _, _, price_id in sums if price_id is not None}
-    prices = {p.id: p for p in session.scalars(select(Price).where(Price.id.in_(ids)))} if ids else {}
     lines = []
-    for (usage_period, model, price_id), (requests, *tokens_and_costs) in sums.items():
-        price = prices.get(price_id) if price_id is not None else None
+    for sums, price in session.execute(query):
         units = (
             (price.cached_input_per_mtok, price.fresh_input_per_mtok, price.output_per_mtok)
             if price
@@ -209,15 +190,15 @@ def _ledger_lines(session: Session, tenant_id: str, period: str) -> list[Line]:
         for i, kind in enumerate(KINDS):
             lines.append(
                 Line(
-                    usage_period=usage_period,
-                    model=model,
-                    price_id=price_id,
+                    usage_period=sums.usage_period,
+                    model=sums.model,
+                    price_id=price.id if price else None,
                     price_version=price.version if price else None,
                     kind=kind,
-                    requests=requests,
-                    quantity=tokens_and_costs[i],
+                    requests=sums.requests,
+                    quantity=getattr(sums, f"{kind}_tokens"),
                     unit_price_per_mtok=units[i],
-                    amount=tokens_and_costs[3 + i],
+                    amount=getattr(sums, f"{kind}_cost"),
                 )
             )
     return _ordered(lines, period)
@@ -274,7 +255,7 @@ def finalize(session: Session, tenant_id: str, period: str, *, now: datetime | N
             .values(status=FINAL, finalized_at=now)
         ).rowcount
         if claimed:
-            lines = _ledger_lines(session, tenant_id, period)
+            lines = _draft_lines(session, tenant_id, period)
             session.add_all(
                 InvoiceLine(
                     tenant_id=tenant_id,
@@ -319,7 +300,7 @@ def get_invoice(
     if invoice.status == DRAFT and closes_at(period, grace) <= now:
         finalize(session, tenant_id, period, now=now)
         invoice = session.get(Invoice, (tenant_id, period), populate_existing=True)
-    lines = (_stored_lines if invoice.status == FINAL else _ledger_lines)(session, tenant_id, period)
+    lines = (_stored_lines if invoice.status == FINAL else _draft_lines)(session, tenant_id, period)
     return InvoiceView(
         tenant_id=tenant_id,
         period=period,

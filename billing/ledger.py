@@ -1,32 +1,35 @@
-"""The usage ledger: one priced event per request id, and its rollups, written in one transaction.
+"""The usage ledger: one priced event per request id, its rollups and its invoice sums, written in one
+transaction.
 
-``record_events`` inserts with ``INSERT ... ON CONFLICT (request_id) DO NOTHING RETURNING request_id`` (SQLite
-and PostgreSQL alike), then adds only the rows it really inserted to ``billing_rollups`` with
-``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``, and commits once: an event seen again (duplicate
-emission, redelivery, a consumer restarted after the commit but before its XACK) changes nothing, and the
-ledger and the rollups can never disagree. Before the insert, each row is given the invoice period it is billed
-on (``billing.invoices.assign_invoice_periods``, which share-locks those invoices until the commit).
+``record_events`` first gives each row the invoice period it is billed on (``billing.invoices.
+assign_invoice_periods``, which share-locks those invoices until the commit), inserts with ``INSERT ... ON
+CONFLICT (request_id) DO NOTHING RETURNING request_id`` (SQLite and PostgreSQL alike), adds only the rows it
+really inserted to ``billing_rollups`` (per tenant, day, model, key) and ``billing_invoice_sums`` (per
+tenant, invoice period, usage period, model, price version) with ``INSERT ... ON CONFLICT DO UPDATE SET x = x +
+excluded.x``, and commits once: an event seen again (duplicate emission, redelivery, a consumer restarted
+after the commit but before its XACK) changes nothing, and the ledger, the rollups and the invoices can
+never disagree.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import date, datetime, timedelta, timezone
 from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
-from sqlalchemy import Table, TextClause, text
+from sqlalchemy import Table, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from billing.invoices import DEFAULT_GRACE, assign_invoice_periods
 from billing.prices import PriceBook
-from billing.schema import NO_KEY, LedgerEvent, Rollup, utcnow
+from billing.schema import NO_KEY, NO_PRICE, InvoiceSum, LedgerEvent, Rollup, utcnow
 
 ROLLUP_SUMS = ("requests", "cached_input_tokens", "fresh_input_tokens", "output_tokens", "cost")
-ROLLUP_CHUNK = 500  # rollup rows per upsert statement (9 parameters each: well under SQLite's limit)
+ROLLUP_CHUNK = 500  # rows per SQLite upsert statement (at most 12 parameters each: under SQLite's limit)
 
 
 class UsageEvent(BaseModel):
@@ -100,15 +103,6 @@ def _postgres(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
 
 
-def _bulk(table: Table, tail: str) -> TextClause:
-    """PostgreSQL's bulk form of an insert: the rows as one JSON array, expanded to the table's row type by
-    ``json_populate_recordset``. The statement's text is the same for any number of rows, so the driver
-    parses it once, and one string parameter costs little to send (a multi-row VALUES list of a few
-    thousand parameters costs more to parse and bind than to run)."""
-    rows = f"json_populate_recordset(NULL::{table.name}, CAST(:rows AS json))"
-    return text(f"INSERT INTO {table.name} SELECT * FROM {rows} {tail}")
-
-
 def _json_rows(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {"rows": json.dumps(rows, default=_iso)}
 
@@ -119,11 +113,51 @@ def _iso(value: Any) -> str:
     raise TypeError(f"cannot encode {type(value).__name__} as JSON")
 
 
-_LEDGER_BULK = _bulk(LedgerEvent.__table__, "ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
-_ROLLUP_BULK = _bulk(
-    Rollup.__table__,
-    "ON CONFLICT (tenant_id, day, model, key_id) DO UPDATE SET "
-    + ", ".join(f"{n} = billing_rollups.{n} + excluded.{n}" for n in ROLLUP_SUMS),
+def _upsert_sql(table: str, keys: tuple[str, ...], sums: tuple[str, ...], select: str) -> str:
+    added = ", ".join(f"{n} = {table}.{n} + excluded.{n}" for n in sums)
+    order = ", ".join(str(i + 1) for i in range(len(keys)))  # one lock order for every writer
+    return (
+        f"INSERT INTO {table} ({', '.join(keys + sums)}) {select} GROUP BY {order} ORDER BY {order} "
+        f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {added}"
+    )
+
+
+ROLLUP_KEYS = ("tenant_id", "day", "model", "key_id")
+INVOICE_KEYS = ("tenant_id", "period", "usage_period", "model", "price_id")
+INVOICE_SUMS = (
+    "requests",
+    "cached_input_tokens",
+    "fresh_input_tokens",
+    "output_tokens",
+    "cached_input_cost",
+    "fresh_input_cost",
+    "output_cost",
+)
+# PostgreSQL: the batch as one JSON array (one short statement the driver parses once, instead of a VALUES
+# list of thousands of parameters), inserted, and only the rows really inserted summed into the rollups and
+# the invoice sums, all in one statement (data-modifying CTEs): one round trip per batch.
+_RECORD_PG = text(
+    "WITH new AS (INSERT INTO billing_ledger SELECT * FROM "
+    "json_populate_recordset(NULL::billing_ledger, CAST(:rows AS json)) "
+    "ON CONFLICT (request_id) DO NOTHING RETURNING *), "
+    "rollups AS ("
+    + _upsert_sql(
+        "billing_rollups",
+        ROLLUP_KEYS,
+        ROLLUP_SUMS,
+        f"SELECT tenant_id, day, model, coalesce(key_id, '{NO_KEY}'), count(*), sum(cached_input_tokens), "
+        "sum(fresh_input_tokens), sum(output_tokens), sum(cost) FROM new",
+    )
+    + "), invoices AS ("
+    + _upsert_sql(
+        "billing_invoice_sums",
+        INVOICE_KEYS,
+        INVOICE_SUMS,
+        f"SELECT tenant_id, invoice_period, to_char(day, 'YYYY-MM'), model, coalesce(price_id, {NO_PRICE}), "
+        "count(*), sum(cached_input_tokens), sum(fresh_input_tokens), sum(output_tokens), "
+        "sum(cached_input_cost), sum(fresh_input_cost), sum(output_cost) FROM new",
+    )
+    + ") SELECT request_id FROM new"
 )
 
 
@@ -152,12 +186,14 @@ def record_events(
         # In request-id order: concurrent writers of overlapping batches lock rows in one order (no deadlock).
         ordered = [{**rows[request_id], "recorded_at": now} for request_id in sorted(rows)]
         if _postgres(session):
-            inserted = set(session.scalars(_LEDGER_BULK, _json_rows(ordered)))
+            inserted = set(session.scalars(_RECORD_PG, _json_rows(ordered)))
+            new = [row for request_id, row in rows.items() if request_id in inserted]
         else:
             stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["request_id"])
             inserted = set(session.scalars(stmt.returning(table.c.request_id), ordered))
-        new = [row for request_id, row in rows.items() if request_id in inserted]
-        _add_to_rollups(session, new)
+            new = [row for request_id, row in rows.items() if request_id in inserted]
+            _add_sums(session, Rollup.__table__, ROLLUP_KEYS, ROLLUP_SUMS, new, _rollup_key)
+            _add_sums(session, InvoiceSum.__table__, INVOICE_KEYS, INVOICE_SUMS, new, _invoice_key)
         session.commit()
     except BaseException:
         session.rollback()
@@ -165,27 +201,38 @@ def record_events(
     return new
 
 
-def _add_to_rollups(session: Session, rows: list[dict[str, Any]]) -> None:
-    sums: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(ROLLUP_SUMS, 0))
+def _rollup_key(row: dict[str, Any]) -> tuple:
+    return (row["tenant_id"], row["day"], row["model"], row["key_id"] or NO_KEY)
+
+
+def _invoice_key(row: dict[str, Any]) -> tuple:
+    day = row["day"]
+    usage_period = f"{day.year:04d}-{day.month:02d}"
+    return (row["tenant_id"], row["invoice_period"], usage_period, row["model"], row["price_id"] or NO_PRICE)
+
+
+def _add_sums(
+    session: Session,
+    table: Table,
+    keys: tuple[str, ...],
+    sums: tuple[str, ...],
+    rows: list[dict[str, Any]],
+    key_of: Callable[[dict[str, Any]], tuple],
+) -> None:
+    """Add ``rows`` to ``table``'s sums per key (SQLite: summed here, one multi-row upsert)."""
+    grouped: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(sums, 0))
     for row in rows:
-        total = sums[(row["tenant_id"], row["day"], row["model"], row["key_id"] or NO_KEY)]
+        total = grouped[key_of(row)]
         total["requests"] += 1
-        for name in ROLLUP_SUMS[1:]:
+        for name in sums[1:]:
             total[name] += row[name]
-    if not sums:
-        return
-    table = Rollup.__table__
     values = [
-        {"tenant_id": t, "day": d, "model": m, "key_id": k, **total}
-        for (t, d, m, k), total in sorted(sums.items())  # one order everywhere: no deadlocks between writers
+        {**dict(zip(keys, key, strict=True)), **total}
+        for key, total in sorted(grouped.items())  # one order everywhere: no deadlocks between writers
     ]
-    if _postgres(session):
-        session.execute(_ROLLUP_BULK, _json_rows(values))
-        return
     stmt = _insert(session, table)
     stmt = stmt.on_conflict_do_update(
-        index_elements=["tenant_id", "day", "model", "key_id"],
-        set_={name: table.c[name] + stmt.excluded[name] for name in ROLLUP_SUMS},
+        index_elements=list(keys), set_={name: table.c[name] + stmt.excluded[name] for name in sums}
     )
-    for start in range(0, len(values), ROLLUP_CHUNK):  # one multi-row upsert (each key once: summed above)
+    for start in range(0, len(values), ROLLUP_CHUNK):  # each key once: summed above
         session.execute(stmt.values(values[start : start + ROLLUP_CHUNK]))

@@ -149,6 +149,30 @@ class Invoice(BillingBase):
     finalized_at: Mapped[datetime | None]
 
 
+NO_PRICE = 0  # price_id of invoice sums of usage without a price (a primary-key column cannot be NULL)
+
+
+class InvoiceSum(BillingBase):
+    """Sums of the ledger per invoice: (tenant, the period billed on, the period used in, model, price
+    version), kept in the ledger insert's transaction like the rollups; a draft invoice's lines are read
+    from here, and finalising copies them into ``InvoiceLine``."""
+
+    __tablename__ = "billing_invoice_sums"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    period: Mapped[str] = mapped_column(String(7), primary_key=True)
+    usage_period: Mapped[str] = mapped_column(String(7), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    price_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)  # or NO_PRICE
+    requests: Mapped[int] = mapped_column(BigInteger)
+    cached_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    fresh_input_tokens: Mapped[int] = mapped_column(BigInteger)
+    output_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_input_cost: Mapped[int] = mapped_column(BigInteger)  # micro-USD
+    fresh_input_cost: Mapped[int] = mapped_column(BigInteger)
+    output_cost: Mapped[int] = mapped_column(BigInteger)
+
+
 class InvoiceLine(BillingBase):
     """One stored line of a final invoice: a model's tokens of one kind at one price version, used in
     ``usage_period`` (the invoice's own period, or an earlier one for an adjustment)."""

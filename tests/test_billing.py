@@ -86,7 +86,7 @@ def url(migrated_url):
     yield migrated_url
     engine = db.make_engine(migrated_url)
     with engine.begin() as conn:
-        for table in (billing.InvoiceLine, billing.Invoice, LedgerEvent, Rollup):
+        for table in (billing.InvoiceLine, billing.InvoiceSum, billing.Invoice, LedgerEvent, Rollup):
             conn.execute(table.__table__.delete())
         conn.execute(billing.Price.__table__.delete().where(billing.Price.version > 1))
     engine.dispose()

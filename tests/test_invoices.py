@@ -273,6 +273,16 @@ def test_reconcile_detects_a_tampered_rollup_a_tampered_invoice_and_a_missing_ev
         session.commit()
     assert reconcile()[0] == 0
 
+    # A draft's invoice sums one token off.
+    with sessions() as session:
+        sums = billing.InvoiceSum
+        session.execute(update(sums).values(fresh_input_tokens=sums.fresh_input_tokens + 1))
+        session.commit()
+        code, report = reconcile()
+        assert code == 1 and [m["what"] for m in report["mismatches"]] == ["invoice.fresh_input.quantity"]
+        session.execute(update(sums).values(fresh_input_tokens=sums.fresh_input_tokens - 1))
+        session.commit()
+
     # A final invoice's stored line changed behind the ledger's back.
     with sessions() as session:
         assert billing.get_invoice(session, caller[0], NOV, now=at(10, month=12)).status == "final"
@@ -332,9 +342,16 @@ def test_the_migration_bills_existing_events_on_their_own_months_draft(database_
     with engine.connect() as conn:
         periods = dict(conn.execute(text("SELECT request_id, invoice_period FROM billing_ledger")).all())
         invoices = conn.execute(text("SELECT period, status FROM billing_invoices ORDER BY period")).all()
+        sums = conn.execute(
+            text(
+                "SELECT period, sum(requests), sum(output_cost) FROM billing_invoice_sums "
+                "GROUP BY period ORDER BY period"
+            )
+        ).all()
     engine.dispose()
     assert periods == {"r0": "2026-10", "r1": NOV, "r2": NOV}
     assert [tuple(i) for i in invoices] == [("2026-10", "draft"), (NOV, "draft")]
+    assert [tuple(x) for x in sums] == [("2026-10", 1, 1), (NOV, 2, 2)]
 
 
 # --- the API ---------------------------------------------------------------------------------------------

@@ -66,6 +66,35 @@ def upgrade() -> None:
     op.create_index(
         "ix_billing_invoice_lines_tenant_period", "billing_invoice_lines", ["tenant_id", "period"]
     )
+    op.create_table(
+        "billing_invoice_sums",
+        sa.Column("tenant_id", sa.String(32), nullable=False),
+        sa.Column("period", sa.String(7), nullable=False),
+        sa.Column("usage_period", sa.String(7), nullable=False),
+        sa.Column("model", sa.String(200), nullable=False),
+        sa.Column("price_id", sa.Integer(), autoincrement=False, nullable=False),
+        *(
+            sa.Column(name, sa.BigInteger(), nullable=False)
+            for name in (
+                "requests",
+                "cached_input_tokens",
+                "fresh_input_tokens",
+                "output_tokens",
+                "cached_input_cost",
+                "fresh_input_cost",
+                "output_cost",
+            )
+        ),
+        sa.PrimaryKeyConstraint(
+            "tenant_id", "period", "usage_period", "model", "price_id", name=op.f("pk_billing_invoice_sums")
+        ),
+    )
+    op.execute(
+        "INSERT INTO billing_invoice_sums SELECT tenant_id, invoice_period, "
+        f"{month}, model, coalesce(price_id, 0), count(*), sum(cached_input_tokens), sum(fresh_input_tokens), "
+        "sum(output_tokens), sum(cached_input_cost), sum(fresh_input_cost), sum(output_cost) "
+        f"FROM billing_ledger GROUP BY tenant_id, invoice_period, {month}, model, coalesce(price_id, 0)"
+    )
     op.execute(
         "INSERT INTO billing_invoices (tenant_id, period, status, created_at) "
         "SELECT DISTINCT tenant_id, invoice_period, 'draft', CURRENT_TIMESTAMP FROM billing_ledger"
@@ -75,6 +104,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_billing_invoice_lines_tenant_period", table_name="billing_invoice_lines")
     op.drop_table("billing_invoice_lines")
+    op.drop_table("billing_invoice_sums")
     op.drop_table("billing_invoices")
     op.drop_index("ix_billing_ledger_tenant_invoice_period", table_name="billing_ledger")
     op.drop_index("ix_billing_ledger_finished", table_name="billing_ledger")

@@ -220,7 +220,7 @@ def time_routes(base: str, key: str, requests: int) -> dict[str, dict[str, float
 
 def seed(engine: Any, tenant_ids: list[str], rows: int) -> dict[str, int]:
     """Generate ``rows`` priced ledger rows over MONTHS in the server (one INSERT ... SELECT over
-    generate_series: nothing crosses the wire per row), then their rollups and draft invoices from them."""
+    generate_series: nothing crosses the wire per row), then their rollups, invoice sums and draft invoices from them."""
     from sqlalchemy import text
     from sqlalchemy.orm import Session
 
@@ -287,6 +287,14 @@ def seed(engine: Any, tenant_ids: list[str], rows: int) -> dict[str, int]:
                 "INSERT INTO billing_rollups SELECT tenant_id, day, model, coalesce(key_id, ''), count(*), "
                 "sum(cached_input_tokens), sum(fresh_input_tokens), sum(output_tokens), sum(cost) "
                 "FROM billing_ledger GROUP BY tenant_id, day, model, coalesce(key_id, '')"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO billing_invoice_sums SELECT tenant_id, invoice_period, to_char(day, 'YYYY-MM'), "
+                "model, coalesce(price_id, 0), count(*), sum(cached_input_tokens), sum(fresh_input_tokens), "
+                "sum(output_tokens), sum(cached_input_cost), sum(fresh_input_cost), sum(output_cost) "
+                "FROM billing_ledger GROUP BY 1, 2, 3, 4, 5"
             )
         )
         conn.execute(
