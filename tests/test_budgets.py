@@ -319,3 +319,20 @@ def test_usd_amounts_parse_to_micro_usd_and_print_back():
     for bad in ("-1", "0.0000001", "abc", "nan", "inf"):
         with pytest.raises(Exception, match="USD"):
             parse_usd(bad)
+
+
+def test_the_cli_sets_the_spend_budget_in_usd_and_refuses_more_than_6_decimals(tmp_path, capsys):
+    from tessera.cli import main
+
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    db.upgrade(url)
+    assert main(["tenants", "create", "acme", "--database-url", url]) in (0, None)
+    capsys.readouterr()
+    args = ["quotas", "set", "--tenant", "acme", "--database-url", url, "--json"]
+    assert main([*args, "--monthly-spend-usd", "25.50"]) in (0, None)
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["monthly_spend_usd"] == 25.5
+    with db.session_factory(db.make_engine(url))() as session:
+        assert quota_config.get_limits(session, "acme").monthly_spend == 25_500_000
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--monthly-spend-usd", "1.0000001"])
+    assert exit_.value.code == 2 and "at most 6 decimals" in capsys.readouterr().err
