@@ -64,15 +64,18 @@ def test_gateway_bench_reports_both_servers_at_tiny_sizes(capsys):
     assert report["bench"] == "gateway"
     assert report["settings"]["requests"] == 12 and report["settings"]["rounds"] == 2
     assert report["prompt_tokens"] > 0  # the stand-in worker saw the gateway's tokenised prompt
-    for side in ("bare", "gateway"):
+    for side in ("bare", "gateway", "gateway_quotas"):
         assert len(report["rounds"][side]) == 2
         assert set(report["results"][side]) == METRICS
         for run in report["rounds"][side]:
             assert run["requests_per_s"] > 0
             assert run["p99_ms"] >= run["p50_ms"] > 0
-    assert set(report["gateway_over_bare"]) == METRICS  # a ratio may be None: CPU time comes in ticks
-    assert set(report["gateway_minus_bare"]) == METRICS - {"requests_per_s"}
+    for name in ("gateway_over_bare", "quotas_on_over_off"):
+        assert set(report[name]) == METRICS  # a ratio may be None: CPU time comes in ticks
+    for name in ("gateway_minus_bare", "quotas_on_minus_off"):
+        assert set(report[name]) == METRICS - {"requests_per_s"}
     steps = {row["step"]: row for row in report["steps"]}
-    assert len(steps) == 10
+    assert len(steps) == 11
+    assert any(step.startswith("quotas: admit + settle") for step in steps)
     assert all(row["us_median"] > 0 for row in steps.values())
     assert [row["on_path"] for row in report["steps"]].count(False) == 1  # only the record write

@@ -1,9 +1,12 @@
-"""``tessera bench gateway``: what the authenticated gateway path costs over a bare FastAPI endpoint.
+"""``tessera bench gateway``: what the authenticated gateway path costs over a bare FastAPI endpoint, and
+what the quotas add to it.
 
 Two uvicorn servers run on this machine in one run (``gateway_harness``): a bare FastAPI app whose one POST
-endpoint returns a fixed body, and the real gateway whose worker is a stand-in that answers at once.
-Identical requests drive both in alternating rounds, so load from other processes hits both alike; then
-each step of the gateway's path is timed alone.
+endpoint returns a fixed body, and the real gateway whose worker is a stand-in that answers at once. The
+gateway is driven twice per round: with the key of a tenant without quotas (no quota script runs) and with
+the key of a tenant with every limit set (each request runs the admission and settlement scripts). Identical
+requests drive the three sides in rounds whose order rotates, so load from other processes hits all alike;
+then each step of the gateway's path is timed alone.
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ if TYPE_CHECKING:  # imported where used, so that `tessera` starts without loadi
     import httpx
     import psutil
 
-SIDES = ("bare", "gateway")
+SIDES = (
+    "bare",
+    "gateway",
+    "gateway_quotas",
+)  # gateway_quotas: the same gateway, a tenant with every limit set
 PROMPT = "Say hello in one word."
 STEP_SAMPLES = 200  # timings per gateway step in the breakdown (fewer when --requests is smaller)
 
@@ -144,30 +151,41 @@ async def measure(
 
     payload = {"model": stack.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
     body = json.dumps(payload).encode()
-    # Both servers get the same bytes and headers; only the gateway checks the key.
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {stack.key}"}
+
+    # Every side gets the same bytes and headers but the key; only the gateway checks it.
+    def headers(key: str) -> dict[str, str]:
+        return {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+
+    gateway_url, gateway_pid = f"{stack.gateway_url}/v1/chat/completions", stack.gateway.process.pid
     targets = {
-        "bare": (f"{stack.bare_url}/v1/chat/completions", stack.bare.process.pid),
-        "gateway": (f"{stack.gateway_url}/v1/chat/completions", stack.gateway.process.pid),
+        "bare": (f"{stack.bare_url}/v1/chat/completions", stack.bare.process.pid, headers(stack.key)),
+        "gateway": (gateway_url, gateway_pid, headers(stack.key)),
+        "gateway_quotas": (gateway_url, gateway_pid, headers(stack.quota_key)),
     }
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    # One client per server, so switching servers never closes the other's warm connections.
+    # One client per side, so switching sides never closes another's warm connections.
     clients = {side: httpx.AsyncClient(limits=limits, timeout=30) for side in SIDES}
     try:
-        first = await clients["gateway"].post(targets["gateway"][0], content=body, headers=headers)
-        if first.status_code != 200 or first.json()["choices"][0]["message"]["content"] != "Hello":
-            raise BenchError(
-                f"the gateway did not answer as expected: {first.status_code} {first.text[:300]}"
-            )
+        for side in ("gateway", "gateway_quotas"):
+            url, _, side_headers = targets[side]
+            first = await clients[side].post(url, content=body, headers=side_headers)
+            if first.status_code != 200 or first.json()["choices"][0]["message"]["content"] != "Hello":
+                raise BenchError(
+                    f"the gateway did not answer as expected: {first.status_code} {first.text[:300]}"
+                )
+            if side == "gateway_quotas" and "x-ratelimit-limit-requests" not in first.headers:
+                raise BenchError("the quota'd tenant's answer has no x-ratelimit-* headers: no quota ran")
         prompt_tokens = first.json()["usage"]["prompt_tokens"]
         for side in SIDES:  # connections, the tokenizer and the key cache warm; allocator steady
-            url, pid = targets[side]
-            await drive(clients[side], url, body, headers, max(4 * concurrency, 100), concurrency, pid)
+            url, pid, side_headers = targets[side]
+            await drive(clients[side], url, body, side_headers, max(4 * concurrency, 100), concurrency, pid)
         runs: dict[str, list[Run]] = {side: [] for side in SIDES}
         for r in range(rounds):
-            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                url, pid = targets[side]
-                runs[side].append(await drive(clients[side], url, body, headers, requests, concurrency, pid))
+            for side in SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]:  # each side leads in turn
+                url, pid, side_headers = targets[side]
+                runs[side].append(
+                    await drive(clients[side], url, body, side_headers, requests, concurrency, pid)
+                )
                 advance()
     finally:
         for client in clients.values():
@@ -177,18 +195,22 @@ async def measure(
 
 
 def summarize(runs: dict[str, list[Run]]) -> dict:
-    """Per server, each metric's median and range over rounds; per round, gateway over (and minus) bare."""
+    """Per side, each metric's median and range over rounds; per round, gateway over (and minus) bare, and
+    the gateway with quotas over (and minus) without."""
     summaries = {side: [run.summary() for run in runs[side]] for side in SIDES}
     metrics = list(summaries["bare"][0])
-    pairs = list(zip(summaries["bare"], summaries["gateway"], strict=True))
-    return {
+    report = {
         "rounds": summaries,
         "results": {side: {m: spread(s[m] for s in summaries[side]) for m in metrics} for side in SIDES},
-        "gateway_over_bare": {m: _ratios(pairs, m) for m in metrics},
-        "gateway_minus_bare": {
-            m: spread(g[m] - b[m] for b, g in pairs) for m in metrics if m != "requests_per_s"
-        },
     }
+    for name, base, other in (("gateway", "bare", "gateway"), ("quotas_on", "gateway", "gateway_quotas")):
+        pairs = list(zip(summaries[base], summaries[other], strict=True))
+        below = "bare" if base == "bare" else "off"
+        report[f"{name}_over_{below}"] = {m: _ratios(pairs, m) for m in metrics}
+        report[f"{name}_minus_{below}"] = {
+            m: spread(o[m] - b[m] for b, o in pairs) for m in metrics if m != "requests_per_s"
+        }
+    return report
 
 
 def _ratios(pairs: list[tuple[dict, dict]], metric: str) -> dict | None:
@@ -231,6 +253,10 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
     ttl = gateway.settings.worker_heartbeat_ttl_s
     with sessions() as session:
         caller = verify_key(session, stack.key)
+        quota_caller = verify_key(session, stack.quota_key)
+    quota_scopes = gateway.quota_lookup.scopes(quota_caller.tenant_id, quota_caller.id)
+    quota_tokens = len(prepared.prompt_ids) + prepared.sampling.max_tokens
+    quota_ids = iter([f"bench-quota-{secrets.token_hex(6)}" for _ in range(samples + 1)])
     route = await routing.route(gateway.redis, spec, b"bench", ttl)
     task = GenerateTask(
         request_id="bench",
@@ -265,6 +291,12 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
             gateway.redis, next(unread), spec.name, time.time() + 10, route.workers
         )
         return streaming.collect(reader)
+
+    async def admit_and_settle() -> None:
+        decision, reservation = await gateway.quotas.admit(next(quota_ids), quota_scopes, quota_tokens)
+        if not decision.admitted:
+            raise BenchError(f"the quota'd tenant was refused ({decision.limit}): GENEROUS_LIMITS too low")
+        await gateway.quotas.settle(reservation, quota_tokens)
 
     result = streaming.Result(text="Hello", token_ids=[100], finish_reason="length")
     shape = streaming.OpenAIShape("chat", "chatcmpl-bench", spec.name, int(time.time()))
@@ -307,6 +339,12 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
             lambda: gateway.celery.send_task(
                 TASK_SERVE, args=[task.to_json()], queue=scratch_queue, expires=60
             ),
+        ),
+        (
+            "quotas: admit + settle, every limit set (two Lua scripts; tenants with quotas only)",
+            1,
+            True,
+            admit_and_settle,
         ),
         ("read the reply stream (XREAD, decode events)", 1, True, read_stream),
         (
@@ -353,8 +391,9 @@ async def _timed(step: Callable) -> float:
 def _tables(report: dict) -> list:
     s = report["settings"]
     table = Table(
-        title=f"gateway vs bare FastAPI: chat completion, max_tokens=1, {report['prompt_tokens']}-token prompt, "
-        f"concurrency {s['concurrency']}, {s['rounds']} rounds x {s['requests']} requests per server"
+        title=f"gateway (quotas off, and on) vs bare FastAPI: chat completion, max_tokens=1, "
+        f"{report['prompt_tokens']}-token prompt, concurrency {s['concurrency']}, {s['rounds']} rounds x "
+        f"{s['requests']} requests per side"
     )
     for col in [
         "metric (median [min, max] over rounds)",
@@ -362,6 +401,9 @@ def _tables(report: dict) -> list:
         "gateway",
         "gateway / bare",
         "gateway - bare",
+        "gateway, quotas on",
+        "quotas on / off",
+        "quotas on - off",
     ]:
         table.add_column(escape(col), justify="right")
     labels = {
@@ -373,12 +415,16 @@ def _tables(report: dict) -> list:
     }
     for metric, (label, fmt) in labels.items():
         minus = report["gateway_minus_bare"].get(metric)
+        quota_minus = report["quotas_on_minus_off"].get(metric)
         table.add_row(
             label,
             format_spread(report["results"]["bare"][metric], fmt),
             format_spread(report["results"]["gateway"][metric], fmt),
             format_ratio(ratio) if (ratio := report["gateway_over_bare"][metric]) else "-",
             "" if minus is None else format_spread(minus, "+" + fmt),
+            format_spread(report["results"]["gateway_quotas"][metric], fmt),
+            format_ratio(ratio) if (ratio := report["quotas_on_over_off"][metric]) else "-",
+            "" if quota_minus is None else format_spread(quota_minus, "+" + fmt),
         )
     steps = Table(title="the gateway's steps, each timed alone in one process (not under load)")
     for col in ["step", "per request", "µs median", "µs p90"]:
@@ -391,5 +437,5 @@ def _tables(report: dict) -> list:
     return [
         table,
         steps,
-        f"on the request's path: {on_path:.0f} µs per request; redis: {s['redis']}",
+        f"on the request's path (a tenant with quotas): {on_path:.0f} µs per request; redis: {s['redis']}",
     ]

@@ -1,8 +1,9 @@
 """The servers ``tessera bench gateway`` drives, started and stopped together by ``serving``.
 
 A bare FastAPI app whose one POST endpoint returns a fixed body, and the real gateway (``tessera api`` on
-SQLite, with a tenant, a key and a colocated deployment of the demo checkpoint) whose worker is a stand-in
-that answers each queued task on its Redis Stream at once, each in its own process.
+SQLite, with a colocated deployment of the demo checkpoint and two tenants: one without quotas, one with
+every limit set so that each request runs the quota scripts) whose worker is a stand-in that answers each
+queued task on its Redis Stream at once, each in its own process.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ FIXED_REPLY = {
     },
 }
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# The quota'd tenant's limits: each one checked and charged on every request, none ever reached in a run.
+GENEROUS_LIMITS = {
+    "rpm": 10**9,
+    "tpm": 10**12,
+    "concurrency": 10**6,
+    "daily_tokens": 10**15,
+    "monthly_tokens": 10**15,
+}
 READY_TIMEOUT_S = 90.0
 
 
@@ -139,7 +148,8 @@ class Stack:
 
     settings: Settings
     model: str
-    key: str
+    key: str  # a tenant without quotas
+    quota_key: str  # a tenant with every limit set (GENEROUS_LIMITS)
     worker_id: str
     redis_kind: str
     bare_url: str
@@ -152,7 +162,9 @@ class Stack:
 @contextlib.contextmanager
 def serving(redis_url: str | None) -> Iterator[Stack]:
     """Start the stand-in worker, the gateway and the bare app in a temporary data dir; stop them after."""
-    from tessera import db, tenancy
+    from gpu_workers.protocol import connect_redis
+    from tessera import db, quota_config, tenancy
+    from tessera.quotas import Limits
     from tessera.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-gateway-") as tmp, contextlib.ExitStack() as stack:
@@ -169,9 +181,14 @@ def serving(redis_url: str | None) -> Iterator[Stack]:
         engine = db.make_engine(database_url)
         with db.session_factory(engine)() as session:
             config = {"name": model, "checkpoint": str(checkpoint), "mode": "colocated"}
-            tenancy.create_deployment(session, config, actor="tessera bench gateway")
+            announce = connect_redis(url)  # the config version a worker would report
+            tenancy.create_deployment(session, config, actor="tessera bench gateway", redis=announce)
+            announce.close()
             tenancy.create_tenant(session, "bench")
             _, key = tenancy.create_key(session, "bench")
+            tenancy.create_tenant(session, "bench-quotas")
+            _, quota_key = tenancy.create_key(session, "bench-quotas")
+            quota_config.set_limits(session, "bench-quotas", Limits(**GENEROUS_LIMITS))
         engine.dispose()
         stack.callback(_forget, url, model, worker_id)
         children: list[Child] = []
@@ -204,7 +221,17 @@ def serving(redis_url: str | None) -> Iterator[Stack]:
         _wait_ready(children, "GET", f"{gateway_url}/readyz")  # ready: database, Redis and the stand-in
         _wait_ready(children, "POST", f"{bare_url}/v1/chat/completions", json={})
         yield Stack(
-            settings, model, key, worker_id, redis_kind, bare_url, gateway_url, bare, gateway, children
+            settings,
+            model,
+            key,
+            quota_key,
+            worker_id,
+            redis_kind,
+            bare_url,
+            gateway_url,
+            bare,
+            gateway,
+            children,
         )
 
 
@@ -244,13 +271,14 @@ def _forget(url: str, model: str, worker_id: str) -> None:
     """Delete what the run left in a Redis that outlives it (the request streams expire on their own)."""
     from redis import RedisError
 
-    from gpu_workers.protocol import connect_redis, worker_queue, workers_key
+    from gpu_workers.protocol import config_key, connect_redis, worker_queue, workers_key
 
     queue = worker_queue(worker_id)
     with contextlib.suppress(RedisError):
         # kombu's binding keys for the queue, which Celery declared on first publish.
         keys = [
             workers_key(model, "serve"),
+            config_key(model),
             queue,
             f"_kombu.binding.{queue}",
             f"_kombu.binding_permanent.{queue}",
