@@ -311,3 +311,32 @@ def test_the_sign_in_form_is_in_the_openapi_schema_and_pages_are_not(site):
     form = paths["/signin"]["post"]["requestBody"]["content"]["application/x-www-form-urlencoded"]["schema"]
     assert "$ref" in str(form) or "api_key" in str(form)
     assert "/dashboard" not in paths and "/admin" not in paths
+
+
+def test_signing_in_again_ends_the_previous_session(site):
+    client, _ = site.signed_in(site.tenant_key)
+    first = client.cookies[SESSION_COOKIE]
+    assert sign_in(client, site.tenant_key).status_code == 303
+    assert client.cookies[SESSION_COOKIE] != first
+    old = site.client()
+    old.cookies.set(SESSION_COOKIE, first)
+    assert old.get("/v1/usage").status_code == 401
+    assert client.get("/v1/usage").status_code == 200
+
+
+def test_an_unreachable_session_store_is_a_503_that_says_so(site):
+    client, _ = site.signed_in(site.tenant_key)
+    sessions = site.app.state.web_sessions
+    working = sessions.redis
+    sessions.redis = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1)  # nothing listens there
+    try:
+        response = client.get("/v1/usage")
+        assert response.status_code == 503
+        assert "session store" in response.json()["error"]["message"]
+        assert sign_in(site.client(), site.tenant_key).status_code == 503
+        # Bearer keys do not depend on the session store.
+        bearer = site.client().get("/v1/usage", headers={"Authorization": f"Bearer {site.tenant_key}"})
+        assert bearer.status_code == 200
+    finally:
+        sessions.redis = working
+    assert client.get("/v1/usage").status_code == 200

@@ -12,6 +12,8 @@ import hashlib
 import hmac
 import json
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Annotated, Any, get_args
 
@@ -29,6 +31,7 @@ import billing
 from tessera import PACKAGE_DATA, tenancy
 from tessera.api.deps import CSRF_COOKIE, SESSION_COOKIE, WebSession, session_key
 from tessera.auth import verify_key
+from tessera.errors import APIError
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey
 
 WEB_DIR = (PACKAGE_DATA / "_web").resolve()
@@ -73,18 +76,17 @@ class WebSessions:
         """A new session for ``key``: the cookie value and the session (with its CSRF token)."""
         session_id = secrets.token_urlsafe(32)
         session = WebSession(key_prefix=key.prefix, tenant_id=key.tenant_id, csrf=secrets.token_urlsafe(32))
-        self.redis.set(self._name(session_id), json.dumps(session.__dict__), ex=self.ttl_s)
+        with _store_errors():
+            self.redis.set(self._name(session_id), json.dumps(session.__dict__), ex=self.ttl_s)
         return self._signer.dumps(session_id), session
 
     def load(self, cookie: str) -> WebSession | None:
-        """The session a cookie names; None for a forged, expired, signed-out or unreadable one."""
+        """The session a cookie names; None for a forged, expired or signed-out one (503 without Redis)."""
         session_id = self._session_id(cookie)
         if session_id is None:
             return None
-        try:
+        with _store_errors():
             raw = self.redis.get(self._name(session_id))
-        except RedisError:
-            return None
         if raw is None:
             return None
         return WebSession(**json.loads(raw))
@@ -92,7 +94,8 @@ class WebSessions:
     def drop(self, cookie: str) -> None:
         session_id = self._session_id(cookie)
         if session_id is not None:
-            self.redis.delete(self._name(session_id))
+            with _store_errors():
+                self.redis.delete(self._name(session_id))
 
     def _session_id(self, cookie: str) -> str | None:
         try:
@@ -103,6 +106,18 @@ class WebSessions:
     @staticmethod
     def _name(session_id: str) -> str:
         return SESSION_KEY_PREFIX + hashlib.sha256(session_id.encode()).hexdigest()
+
+
+@contextmanager
+def _store_errors() -> Iterator[None]:
+    try:
+        yield
+    except RedisError:
+        raise APIError(
+            503,
+            "web sign-in is unavailable: the session store (Redis) cannot be reached; try again shortly",
+            "session_store_unavailable",
+        ) from None
 
 
 def install(app: FastAPI, redis: Redis) -> None:
@@ -203,7 +218,10 @@ def signin(request: Request, form: Annotated[SignInForm, Form()]) -> Response:
         key = verify_key(session, raw, version=request.app.state.key_version)
     if key is None:
         return _signin_page(request, message=BAD_KEY, status=401, next_page=form.next)
-    cookie, web = request.app.state.web_sessions.create(key)
+    sessions: WebSessions = request.app.state.web_sessions
+    if previous := request.cookies.get(SESSION_COOKIE):
+        sessions.drop(previous)  # one session per sign-in: the old cookie stops working
+    cookie, web = sessions.create(key)
     target = _safe_next(form.next) or ("/dashboard" if key.has_scope(SCOPE_INFERENCE) else "/admin")
     response = RedirectResponse(target, status_code=303)
     _set_cookie(request, response, SESSION_COOKIE, cookie, http_only=True)

@@ -232,14 +232,21 @@ async function setSuspended(t, disabled) {
 
 let tenant = null;
 
+// The tenant's quotas as loaded: a save sends them back with the form's fields changed, so a limit this
+// form has no field for is kept, never reset.
+let loadedQuotas = {};
+
 async function openTenant(name) {
   tenant = name;
+  const panel = document.getElementById("tenant-panel");
+  panel.hidden = true; // shown once filled in, so nothing typed is overwritten by the load
   document.getElementById("tenant-panel-name").textContent = name;
-  document.getElementById("tenant-panel").hidden = false;
   document.getElementById("secret").hidden = true;
   for (const id of ["quotas-error", "keys-error"]) document.getElementById(id).hidden = true;
   const [quotas] = await Promise.all([api("GET", `/admin/tenants/${encodeURIComponent(name)}/quotas`), loadKeys()]);
+  loadedQuotas = quotas;
   for (const field of QUOTAS) document.getElementById(`q-${field}`).value = quotas[field] ?? "";
+  panel.hidden = false;
   document.getElementById("tenant-panel-h").scrollIntoView();
 }
 
@@ -288,14 +295,14 @@ async function createKey(event) {
 
 async function saveQuotas(event) {
   event.preventDefault();
-  const body = {};
+  const body = { ...loadedQuotas };
   for (const field of QUOTAS) {
     const value = document.getElementById(`q-${field}`).value;
     body[field] = value === "" ? null : Number(value);
   }
   const error = document.getElementById("quotas-error");
   try {
-    await api("PUT", `/admin/tenants/${encodeURIComponent(tenant)}/quotas`, body);
+    loadedQuotas = await api("PUT", `/admin/tenants/${encodeURIComponent(tenant)}/quotas`, body);
     error.hidden = true;
     status.textContent = `Saved the quotas of ${tenant}.`;
     refreshAuditLog();
