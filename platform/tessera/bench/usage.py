@@ -145,7 +145,10 @@ def measure(
 @contextlib.contextmanager
 def scratch_database(server_url: str) -> Iterator[str]:
     """A new, empty database on ``server_url``'s server, dropped afterwards."""
-    import psycopg
+    try:
+        import psycopg
+    except ImportError:
+        raise BenchError("the usage bench needs psycopg: pip install 'tessera[postgres]'") from None
 
     from tessera import db
 
