@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -99,3 +101,25 @@ def test_asking_for_bf16_weights_of_an_int4_checkpoint_is_a_clear_error(int4_dir
 def test_weights_must_be_a_known_format():
     with pytest.raises(ValueError, match="weights must be auto, bf16, fp8 or int4"):
         EngineConfig(weights="int8")
+
+
+def test_int4_engine_on_the_cpu_kernel_decodes_what_the_per_call_reference_decodes(int4_dir, monkeypatch):
+    engine = Engine.from_pretrained(int4_dir, config())
+    packed = engine.generate(PROMPTS, GREEDY)
+    layer = engine.model.model.layers[0].mlp.down_proj
+    assert layer._cpu_pack._key is not None  # the packed kernel ran, not the reference
+    monkeypatch.setenv("TESSERA_KERNELS", "reference")
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [o.token_ids for o in packed]
+
+
+def test_bench_weights_reports_decode_speed_per_format_beside_quality(demo_model_dir, capsys):
+    from tessera.bench.weights import run_weights
+
+    run_weights(demo_model_dir, ["bf16", "fp8", "int4"], 128, False, None, 256, False, True, 4, 2, 1, True)
+    report = json.loads(capsys.readouterr().out)
+    assert [row["weights"] for row in report["quality"]] == ["bf16", "fp8", "int4"]
+    speed = report["decode"]
+    assert set(speed["tok_s"]) == {"checkpoint", "fp8", "int4", "fp8 (reference)", "int4 (reference)"}
+    assert all(s["median"] > 0 for s in speed["tok_s"].values())
+    assert set(speed["vs_checkpoint"]) == set(speed["tok_s"]) - {"checkpoint"}
+    assert speed["batch"] == 2 and speed["max_tokens"] == 4 and speed["dtype"] in ("float32", "bfloat16")

@@ -1,0 +1,188 @@
+"""``tessera bench serving``: output tok/s through the API against the offline engine, in one run.
+
+Starts ``tessera up`` (embedded Redis, SQLite, the API, one prefill and one decode worker of the default
+deployment) in a temporary data dir, then drives it with the OpenAI async client: ``concurrency`` streamed
+completions at once (greedy, ``max_tokens`` each), and one stream alone. The offline engine runs the same
+prompts with the decode pool's settings in this process while the stack idles. Rounds alternate the two
+sides, so load from other processes hits both alike; each round yields one API / offline ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+from tessera.bench import BenchError
+from tessera.bench.stats import format_ratio, format_spread, spread
+
+PROMPT = "def parse_config(path):\n    "
+READY_TIMEOUT_S = 240.0
+DEFAULT_MODEL = "@tessera/pycode-tiny"
+
+
+def run_serving(concurrency: int, max_tokens: int, rounds: int, threads: int | None, as_json: bool) -> None:
+    """``threads``: torch CPU threads of every engine (the workers' and the offline one); None: torch's
+    choice. On a small machine shared with other work, 1 keeps a descheduled thread from stalling a step."""
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-serving-") as tmp:
+        data_dir = Path(tmp)
+        port = _free_port()
+        env = {**os.environ, "TESSERA_DATA_DIR": str(data_dir), "TESSERA_PORT": str(port)}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)  # torch in the worker processes starts with this many
+            import torch
+
+            torch.set_num_threads(threads)
+        env.pop("TESSERA_REDIS_URL", None)  # the embedded Redis: nothing shared with other runs
+        log = (data_dir / "up.log").open("w+")
+        up = subprocess.Popen(
+            [sys.executable, "-m", "tessera.cli", "up"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            key = _wait_for_key(up, data_dir / "up.log")
+            report = _measure(f"http://127.0.0.1:{port}/v1", key, data_dir, concurrency, max_tokens, rounds)
+        finally:
+            up.terminate()
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+            log.close()
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    _print(report)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_key(up: subprocess.Popen, log: Path) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if "Tessera is up" in text:
+            found = re.search(r"export TESSERA_KEY=(\S+)", text)
+            if found is None:
+                raise BenchError("tessera up started without printing a key")
+            return found.group(1)
+        if up.poll() is not None:
+            raise BenchError(f"tessera up exited with {up.returncode}:\n{text[-2000:]}")
+        time.sleep(0.5)
+    raise BenchError(f"tessera up was not ready within {READY_TIMEOUT_S:.0f}s")
+
+
+def _offline_engine(data_dir: Path):
+    """An engine with the default deployment's decode settings, as its decode worker builds it."""
+    from gpu_workers import Engine
+    from gpu_workers.pools.worker import engine_config
+    from tessera import db, tenancy
+    from tessera.settings import Settings
+
+    settings = Settings(data_dir=data_dir)
+    engine = db.make_engine(settings.database_url)
+    try:
+        with db.session_factory(engine)() as session:
+            spec = tenancy.get_deployment(session, DEFAULT_MODEL).to_spec()
+    finally:
+        engine.dispose()
+    return Engine.from_pretrained(spec.checkpoint, engine_config(spec, "decode", b"bench")), spec
+
+
+def _measure(base_url: str, key: str, data_dir: Path, concurrency: int, max_tokens: int, rounds: int):
+    import torch
+    from openai import AsyncOpenAI
+
+    from gpu_workers import SamplingParams
+
+    engine, spec = _offline_engine(data_dir)
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def offline(n: int) -> float:
+        start = time.perf_counter()
+        outputs = engine.generate([prompt_ids] * n, params)
+        return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+
+    async def api(n: int) -> float:
+        client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=300)
+
+        async def one() -> int:
+            stream = await client.completions.create(
+                model=DEFAULT_MODEL,
+                prompt=PROMPT,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            tokens = 0
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return tokens
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one() for _ in range(n)))
+        elapsed = time.perf_counter() - start
+        await client.close()
+        return sum(tokens) / elapsed
+
+    offline(2)  # warm-up: one-off costs on both sides
+    asyncio.run(api(2))
+    sides: dict[str, list[float]] = {
+        f"{side}_{n}": [] for side in ("api", "offline") for n in (concurrency, 1)
+    }
+    for r in range(rounds):
+        order = [("offline", offline), ("api", lambda n: asyncio.run(api(n)))]
+        for side, run in order if r % 2 == 0 else order[::-1]:
+            for n in (concurrency, 1):
+                sides[f"{side}_{n}"].append(run(n))
+    ratios = {
+        n: [a / o for a, o in zip(sides[f"api_{n}"], sides[f"offline_{n}"], strict=True)]
+        for n in (concurrency, 1)
+    }
+    return {
+        "date": date.today().isoformat(),
+        "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "deployment": {
+            "name": spec.name,
+            "mode": spec.mode,
+            "dtype": engine.dtype.name if hasattr(engine, "dtype") else spec.dtype,
+            "decode_kv": spec.decode_kv,
+            "decode_weights": spec.decode_weights,
+        },
+        "prompt_tokens": len(prompt_ids),
+        "max_tokens": max_tokens,
+        "concurrency": concurrency,
+        "rounds": rounds,
+        "tok_s": {name: spread(values) for name, values in sides.items()},
+        "api_vs_offline": {str(n): spread(values) for n, values in ratios.items()},
+    }
+
+
+def _print(report: dict) -> None:
+    d = report["deployment"]
+    print(
+        f"{report['date']}, {report['machine']}; {d['name']} ({d['mode']}, {d['dtype']}, decode KV "
+        f"{d['decode_kv']}, weights {d['decode_weights']}); {report['prompt_tokens']}-token prompt, "
+        f"max_tokens {report['max_tokens']}, greedy; {report['rounds']} rounds: median [min, max]"
+    )
+    print(f"{'streams':>8}{'API tok/s':>24}{'offline tok/s':>24}{'API / offline':>24}")
+    for n in (report["concurrency"], 1):
+        tok = report["tok_s"]
+        print(
+            f"{n:>8}{format_spread(tok[f'api_{n}'], '.0f'):>24}{format_spread(tok[f'offline_{n}'], '.0f'):>24}"
+            f"{format_ratio(report['api_vs_offline'][str(n)]):>24}"
+        )
