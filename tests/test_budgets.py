@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -234,6 +235,24 @@ def test_a_key_budget_limits_that_key_alone(gw):
     assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
     assert gw.spent(quota_config.key_scope(key.id)) == 20
     assert gw.spent(quota_config.tenant_scope(tenant_id)) == 40
+
+
+def test_a_spend_counter_lost_with_redis_restarts_from_the_ledger_and_still_refuses(gw):
+    _, tenant_id, raw = gw.tenant(monthly_spend=50)
+    gw.pools.script = full_output()
+    codes = [
+        httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code
+        for _ in range(3)
+    ]
+    assert codes == [200, 200, 429]
+    gw.ledger_rows(tenant_id, 2)  # 40 micro-USD charged
+    scope = Scope(quota_config.tenant_scope(tenant_id), Limits())
+    month = f"{datetime.now(timezone.utc):%Y-%m}"
+    assert gw.pools.redis.delete(scope.key(f"spend:{month}")) == 1  # as a Redis restarted empty
+    time.sleep(quota_config.CACHE_TTL_S + 0.2)  # the gateway's lookup reads the ledger again
+    response = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body())
+    assert response.status_code == 429 and response.json()["error"]["code"] == "spend_budget_exceeded"
+    assert gw.spent(scope.name) == 40
 
 
 # -- usage.cost equals the ledger ------------------------------------------------------------------------------

@@ -11,14 +11,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from cachetools import TTLCache
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.prices import DEFAULT_MODEL, amount, list_prices
+from billing.schema import Rollup
 from tessera import tenancy
 from tessera.models import ApiKey, QuotaLimits, Tenant
 from tessera.quotas import LIMITS, Limits, Scope
@@ -156,11 +157,25 @@ class QuotaLookup:
             rows = {
                 r.scope: r for r in session.scalars(select(QuotaLimits).where(QuotaLimits.scope.in_(names)))
             }
-        tenant = _limits(rows.get(names[0]))
-        scopes = [Scope(names[0], tenant)]
-        if names[1] in rows:
-            scopes.append(Scope(names[1], tenant.merged(_limits(rows[names[1]]))))
+            tenant = _limits(rows.get(names[0]))
+            scopes = [Scope(names[0], tenant, _month_spent(session, tenant, tenant_id))]
+            if names[1] in rows:
+                key = tenant.merged(_limits(rows[names[1]]))
+                scopes.append(Scope(names[1], key, _month_spent(session, key, tenant_id, key_id)))
         return scopes
+
+
+def _month_spent(session: Session, limits: Limits, tenant_id: str, key_id: str | None = None) -> int:
+    """Micro-USD of the current UTC month in the ledger's rollups, for a scope with a spend budget (else 0)."""
+    if limits.monthly_spend is None:
+        return 0
+    today = datetime.now(timezone.utc).date()
+    query = select(func.coalesce(func.sum(Rollup.cost), 0)).where(
+        Rollup.tenant_id == tenant_id, Rollup.day >= today.replace(day=1)
+    )
+    if key_id is not None:
+        query = query.where(Rollup.key_id == key_id)
+    return int(session.scalar(query))
 
 
 def _tenant(session: Session, name_or_id: str) -> Tenant:

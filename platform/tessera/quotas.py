@@ -11,7 +11,7 @@ Limits, each optional (None = unlimited):
 - ``monthly_spend``: a spend budget per UTC month in integer micro-USD. Admission reserves the request's most
   expensive outcome (every prompt token at the fresh price, ``max_tokens`` at the output price); the end
   settles it to the request's priced cost (cached tokens at the cached price), or to nothing when it failed
-  before producing a token.
+  before producing a token. A counter Redis lost restarts from the month's spend in the ledger.
 
 A request rejected by one limit consumes none of the others. Time comes from Redis (``TIME``), so every
 replica agrees on the window. Redis unreachable raises ``QuotaUnavailable``: the gateway fails closed.
@@ -74,6 +74,9 @@ class Scope:
 
     name: str
     limits: Limits
+    # Micro-USD the ledger already holds for this scope's current month: where the spend counter restarts
+    # from if Redis lost it (restarted empty, failed over), so a lost counter never hands out the budget again.
+    month_spent: int = 0
 
     def key(self, part: str) -> str:
         return f"{PREFIX}:{{{self.name}}}:{part}"
@@ -173,8 +176,8 @@ def duration(ms: int) -> str:
 
 
 # KEYS per scope (7 each): rpm log, tpm log, tpm amounts, leases, day counter, month counter, month spend.
-# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, cost (micro-USD), then 6 limits
-# per scope.
+# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, cost (micro-USD), then per scope
+# its 6 limits and the spend its month already has in the ledger (the counter's starting point if missing).
 # Returns {admitted, failing scope index (1-based, 0 = none), failing limit index, retry ms,
 #          per scope: rpm used, rpm reset ms, tpm used, tpm reset ms}.
 _ADMIT = """
@@ -208,9 +211,12 @@ for s = 1, nscopes do
   local k = (s - 1) * 7
   local rpm_log, tpm_log, amounts, leases = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
   local day, month, spend = KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]
-  local a = 7 + (s - 1) * 6
+  local a = 7 + (s - 1) * 7
   local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local daily, monthly, spend_cap = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  if spend_cap >= 0 then
+    redis.call('SET', spend, ARGV[a + 7], 'NX', 'EX', month_ttl + 3600)
+  end
   redis.call('ZREMRANGEBYSCORE', rpm_log, '-inf', now - window)
   expire_tokens(tpm_log, amounts)
   redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
@@ -388,6 +394,7 @@ class Quotas:
             args += [
                 _UNLIMITED if getattr(scope.limits, n) is None else getattr(scope.limits, n) for n in LIMITS
             ]
+            args.append(scope.month_spent)
         try:
             out = [int(x) for x in await self._admit(keys=keys, args=args)]
         except RedisError as exc:
