@@ -413,13 +413,13 @@ def test_an_admin_sets_a_tenants_quotas_and_the_api_reflects_them(context, serve
     sign_in(page, server.keys["admin"], "/signin?next=/admin")
     wait_ready(page)
     page.get_by_role("button", name="Manage acme").click()
-    page.get_by_label("Requests per minute").fill("600")
-    page.get_by_label("Tokens per day").fill("2000000")
+    page.get_by_label("Requests per sliding minute").fill("600")
+    page.get_by_label("Tokens per UTC day").fill("2000000")
     page.get_by_role("button", name="Save quotas").click()
     page.get_by_role("status").filter(has_text="Saved the quotas of acme").wait_for()
     quotas = server.api("/admin/tenants/acme/quotas", key="admin").json()
     assert quotas["rpm"] == 600 and quotas["daily_tokens"] == 2_000_000 and quotas["tpm"] is None
-    page.get_by_label("Requests per minute").fill("-1")
+    page.get_by_label("Requests per sliding minute").fill("-1")
     page.get_by_role("button", name="Save quotas").click()
     assert page.evaluate("document.getElementById('q-rpm').validity.valid") is False  # the form says so first
     assert server.api("/admin/tenants/acme/quotas", key="admin").json()["rpm"] == 600

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from sqlalchemy.orm import Session
 
 import billing
 from tessera import PACKAGE_DATA, tenancy
+from tessera.api.admin_schemas import Quotas
 from tessera.api.deps import CSRF_COOKIE, SESSION_COOKIE, WebSession, session_key
 from tessera.auth import verify_key
 from tessera.errors import APIError
@@ -288,7 +290,14 @@ def admin_console(request: Request) -> Response:
             "Sign out and sign in with an admin key to open the admin console.",
             **_context(web, key),
         )
-    return _page(request, "admin.html", page="admin", choices=_deployment_choices(), **_context(web, key))
+    return _page(
+        request,
+        "admin.html",
+        page="admin",
+        choices=_deployment_choices(),
+        quota_fields=_quota_fields(),
+        **_context(web, key),
+    )
 
 
 def _current_prices(session: Session) -> dict[str, dict[str, int]]:
@@ -306,6 +315,18 @@ def _current_prices(session: Session) -> dict[str, dict[str, int]]:
                 "output": price.output_per_mtok,
             }
     return prices
+
+
+def _quota_fields() -> list[dict[str, str]]:
+    """The quotas form's inputs, from the API's own schema, so the form offers every limit the API takes."""
+    fields = []
+    for name, field in Quotas.model_fields.items():
+        label = re.split(r" \(|;", field.description or name.replace("_", " "))[0]
+        whole = int in get_args(field.annotation)
+        fields.append(
+            {"name": name, "label": label[:1].upper() + label[1:], "step": "1" if whole else "0.000001"}
+        )
+    return fields
 
 
 def _deployment_choices() -> dict[str, list[str]]:

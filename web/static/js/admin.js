@@ -10,7 +10,8 @@ const FIELDS = [
   "kv_budget_bytes", "max_num_seqs", "max_model_len", "max_tokens_limit", "integrity_check", "prefix_cache",
   "enabled",
 ];
-const QUOTAS = ["rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens"];
+// The quota fields the server rendered from the API's schema (admin_schemas.Quotas).
+const QUOTAS = [...document.querySelectorAll("#quotas-form input")].map((input) => input.name);
 const deployments = new Map();
 let tenantsCursor = null;
 let editing = null;
