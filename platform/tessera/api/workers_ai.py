@@ -440,19 +440,20 @@ class BatchDispatch:
         self.max_queue_depth = max_queue_depth  # waiting interactive tasks at which batch items hold back
 
     async def ready(self, model: str) -> bool:
-        """The deployment has a live entry worker and fewer than ``max_queue_depth`` tasks waiting for it."""
+        """Every pool the deployment needs has a live worker, and fewer than ``max_queue_depth`` tasks wait
+        for its entry pool (the pool requests are queued on)."""
         try:
             spec = (await run_in_threadpool(self.gw.catalog.get, model)).spec
         except APIError:
             return True  # an unknown or disabled model: let the dispatch fail its items with the reason
-        pool = "serve" if spec.mode == "colocated" else "prefill"
+        pools = ("serve",) if spec.mode == "colocated" else ("prefill", "decode")
         ttl = self.gw.settings.worker_heartbeat_ttl_s
         try:
-            workers = await routing.live_workers(self.gw.redis, spec.name, pool, ttl)
-            if not workers:
+            live = [await routing.live_workers(self.gw.redis, spec.name, pool, ttl) for pool in pools]
+            if not all(live):
                 return False
-            depth = await self.gw.redis.llen(pool_queue(spec.name, pool))
-            for worker in workers:
+            depth = await self.gw.redis.llen(pool_queue(spec.name, pools[0]))
+            for worker in live[0]:
                 depth += await self.gw.redis.llen(routing.queue_of(worker))
         except RedisError:
             return False
