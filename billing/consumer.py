@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+from datetime import timedelta
 
 from pydantic import ValidationError
 from redis import Redis
@@ -24,6 +25,8 @@ from redis.exceptions import ResponseError
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from billing import metrics
+from billing.invoices import DEFAULT_GRACE
 from billing.ledger import UsageEvent, record_events
 
 log = logging.getLogger(__name__)
@@ -51,8 +54,9 @@ class BillingConsumer:
         group: str = GROUP,
         maxlen: int = 1_000_000,
         claim_idle_s: float = 30.0,
-        batch: int = 200,
+        batch: int = 1000,  # entries per read and per ledger transaction (tessera bench usage: 200 vs 1000)
         block_s: float = 1.0,
+        grace: timedelta = DEFAULT_GRACE,
     ):
         self.redis = redis
         self.sessions = sessions
@@ -62,6 +66,7 @@ class BillingConsumer:
         self.claim_idle_s = claim_idle_s
         self.batch = batch
         self.block_s = block_s
+        self.grace = grace  # how long a month's invoice stays open after it (billing.invoices)
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.charged = 0  # ledger rows this consumer inserted
         self._stop = threading.Event()
@@ -198,4 +203,6 @@ class BillingConsumer:
         if not events:
             return
         with self.sessions() as session:
-            self.charged += len(record_events(session, events))
+            inserted = record_events(session, events, grace=self.grace)
+        self.charged += len(inserted)
+        metrics.observe_ledger_rows(inserted)  # committed: the meters move once per ledger row

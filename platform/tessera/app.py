@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from billing import BillingConsumer
+from billing import metrics as billing_metrics
 from gpu_workers.protocol import connect_redis, make_celery
-from tessera import db
-from tessera.api import admin, errors, health, inference, usage, workers_ai
+from tessera import batch, db
+from tessera.api import admin, errors, health, inference, invoices, usage, web, workers_ai
 from tessera.api.catalog import Catalog
+from tessera.api.deps import AdminCaller
 from tessera.auth import KeyVersion
 from tessera.quota_config import QuotaLookup
 from tessera.quotas import Quotas
@@ -51,17 +55,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.records_stream,
         maxlen=settings.records_stream_maxlen,
         claim_idle_s=settings.records_claim_idle_s,
+        grace=timedelta(days=settings.invoice_grace_days),
     )
     quotas = Quotas(redis)
     gateway = inference.Gateway(
         settings, Catalog(sessions), redis, celery, recorder, quotas, QuotaLookup(sessions)
+    )
+    dispatch = workers_ai.BatchDispatch(gateway, settings.batch_max_queue_depth)
+    batch_runner = batch.BatchRunner(  # Workers-AI async batches, run while deployments have room
+        sessions,
+        redis,
+        dispatch,
+        dispatch.ready,
+        concurrency=settings.batch_concurrency,
+        runner_ttl_s=settings.batch_runner_ttl_s,
+        max_attempts=settings.batch_max_attempts,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         writer.start()
         billing_consumer.start()
+        await batch_runner.start()
         yield
+        await batch_runner.stop()
         await recorder.close()
         await run_in_threadpool(writer.stop)
         await run_in_threadpool(billing_consumer.stop)
@@ -77,10 +94,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.gateway = gateway
     app.state.records_writer = writer
     app.state.billing_consumer = billing_consumer
+    app.state.batch_runner = batch_runner
     errors.install(app, settings.max_body_bytes)
     app.include_router(inference.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(workers_ai.router)
     app.include_router(usage.router)
+    app.include_router(usage.admin_router)
+    app.include_router(invoices.router)
+    app.include_router(invoices.admin_router)
+    web.install(app, sync_redis)  # the dashboard and admin console: pages, /static, web sessions
+
+    # --- Prometheus (budgets-metrics) ---
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["metrics"])
+    def prometheus_metrics(caller: AdminCaller) -> PlainTextResponse:
+        """Prometheus' text format; admin keys only, since the labels name tenants."""
+        body, content_type = billing_metrics.exposition()
+        return PlainTextResponse(body, media_type=content_type)
+
     return app

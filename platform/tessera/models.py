@@ -221,4 +221,63 @@ class QuotaLimits(Base):
     concurrency: Mapped[int | None]
     daily_tokens: Mapped[int | None] = mapped_column(BigInteger)
     monthly_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    monthly_spend: Mapped[int | None] = mapped_column(BigInteger)  # micro-USD per UTC month
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+# --- audit log and Workers-AI batches (issue 11) ---------------------------------------------------------
+
+AUDIT_TARGET_TYPES = ("tenant", "key", "quota")
+BATCH_ITEM_STATUSES = ("queued", "running", "completed", "failed")
+
+
+class AuditEvent(Base):
+    """One change to a tenant, a key or a quota, written in the same transaction as the change: who, when,
+    what and the values before and after (never a secret or a key hash). See ``tessera.tenancy``."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_tenant_id_id", "tenant_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # No foreign key: the log outlives what it describes.
+    tenant_id: Mapped[str | None] = mapped_column(String(32))
+    actor: Mapped[str] = mapped_column(String(200))  # "key:<prefix>" (admin API) or "cli:<user>"
+    action: Mapped[str] = mapped_column(String(20))  # create, update, suspend, restore, revoke, expiry, set
+    target_type: Mapped[str] = mapped_column(String(20))  # one of AUDIT_TARGET_TYPES
+    target: Mapped[str] = mapped_column(String(200))  # a tenant name, a key prefix, "tenant:<name>" ...
+    before: Mapped[dict[str, Any] | None]
+    after: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Batch(Base):
+    """A Workers-AI async batch (``?queueRequest=true``): its id is the ``request_id`` the tenant polls."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_id: Mapped[str | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    model: Mapped[str] = mapped_column(String(200))
+    items: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class BatchItem(Base):
+    """One request of a batch: its run body, and where it is (queued, running, completed, failed). Claimed
+    by one batch runner at a time (``UPDATE ... WHERE status = 'queued'``); each attempt is its own request."""
+
+    __tablename__ = "batch_items"
+    __table_args__ = (Index("ix_batch_items_status_claimed_by", "status", "claimed_by"),)
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    body: Mapped[dict[str, Any]]  # the item as validated (Workers AI's run body)
+    external_reference: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(20), default="queued")  # one of BATCH_ITEM_STATUSES
+    attempts: Mapped[int] = mapped_column(default=0)  # dispatches that reached a worker
+    request_id: Mapped[str | None] = mapped_column(String(64))  # the latest attempt's request id
+    claimed_by: Mapped[str | None] = mapped_column(String(64))  # the runner running it
+    result: Mapped[dict[str, Any] | None]  # {"response", "usage"} once completed
+    error: Mapped[dict[str, Any] | None]  # {"code", "message"} once failed
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -45,6 +45,19 @@ class Settings(BaseSettings):
     # How long an outcome delivered to a writer may stay unacknowledged before another writer claims it
     # (its first writer died or stalled; writing twice is harmless).
     records_claim_idle_s: float = 30.0
+    # Each worker serves its Prometheus meters on this port (0: off; `tessera worker --metrics-port`).
+    worker_metrics_port: int = Field(0, ge=0, le=65535)
+    # Days a month's invoice stays a draft after the month ends (late usage still lands on it); then it is
+    # final, and later usage of that month is billed on the next open invoice as an adjustment.
+    invoice_grace_days: int = Field(3, ge=0)
+    # Workers-AI async batches (tessera.batch): the largest batch body; the waiting interactive tasks at
+    # which a deployment takes no more batch items; batch items in flight per API process; attempts of an
+    # item whose worker died; how long an API process may stop heartbeating before others resume its items.
+    batch_max_body_bytes: int = Field(10_000_000, ge=1)
+    batch_max_queue_depth: int = Field(1, ge=1)
+    batch_concurrency: int = Field(4, ge=1)
+    batch_max_attempts: int = Field(3, ge=1)
+    batch_runner_ttl_s: float = Field(10.0, gt=0)
 
     @field_validator("data_dir")
     @classmethod

@@ -38,10 +38,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     engine.add_argument(
         "--max-tokens", type=int, default=128, metavar="N", help="longest output per request (default 128)"
     )
+    engine.add_argument("--min-tokens", type=int, metavar="N", help="shortest output (default max-tokens/4)")
     engine.add_argument(
         "--repeat", type=int, default=3, metavar="N", help="runs per point; the median counts (default 3)"
     )
-    add_engine_args(engine, default_dtype="float32")
+    add_engine_args(engine, default_dtype=None)
     engine.add_argument("--json", action="store_true", help="print the results as JSON")
     engine.set_defaults(func=cmd_engine)
 
@@ -103,10 +104,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
     gateway = benches.add_parser(
         "gateway",
-        help="gateway overhead: requests/s and p50/p99 latency of the authenticated path vs bare FastAPI",
-        description="Starts a bare FastAPI endpoint and the real gateway (SQLite, a tenant and key, a demo "
-        "deployment whose stand-in worker replies at once) and drives both with identical non-streaming "
-        "chat completions (max_tokens=1) at fixed concurrency, in alternating rounds.",
+        help="gateway overhead: requests/s and p50/p99 latency of the authenticated path vs bare FastAPI, "
+        "with quotas off and on",
+        description="Starts a bare FastAPI endpoint and the real gateway (SQLite, a demo deployment whose "
+        "stand-in worker replies at once, a tenant without quotas and one with every limit set) and drives "
+        "the bare endpoint and the gateway with each tenant's key with identical non-streaming chat "
+        "completions (max_tokens=1) at fixed concurrency, in rounds whose order rotates.",
     )
     gateway.add_argument(
         "--requests", type=int, default=1000, metavar="N", help="requests per server per round (default 1000)"
@@ -187,8 +190,39 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     weights.add_argument("--max-tokens", type=int, default=4096, help="evaluation tokens (default 4096)")
     weights.add_argument("--per-layer", action="store_true", help="also print every layer's relative error")
+    # weights-serving: decode speed per weight format
+    weights.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=64,
+        help="greedy tokens per decode-speed run (0: skip; default 64)",
+    )
+    weights.add_argument("--decode-batch", type=int, default=1, help="requests decoded at once (default 1)")
+    weights.add_argument("--rounds", type=int, default=3, help="decode-speed rounds (default 3)")
+    weights.add_argument(
+        "--reference-kernels",
+        action="store_true",
+        help="also time the quantised formats on the per-call dequantising references",
+    )
     weights.add_argument("--json", action="store_true", help="print the results as JSON")
     weights.set_defaults(func=cmd_weights)
+
+    # weights-serving: the API against the offline engine
+    serving = benches.add_parser(
+        "serving",
+        help="output tok/s through the API (`tessera up`, OpenAI client) vs the offline engine, one run",
+        description="Starts `tessera up` in a temporary data dir, streams greedy completions through the "
+        "OpenAI async client (CONCURRENCY at once, then one alone) and runs the same prompts on an "
+        "offline engine with the decode pool's settings; rounds alternate the two sides.",
+    )
+    serving.add_argument("--concurrency", type=int, default=32, help="streams at once (default 32)")
+    serving.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default 64)")
+    serving.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    serving.add_argument(
+        "--threads", type=int, help="torch CPU threads per engine, workers' and offline (default: torch's)"
+    )
+    serving.add_argument("--json", action="store_true", help="print the results as JSON")
+    serving.set_defaults(func=cmd_serving)
 
     serve = benches.add_parser(
         "serve",
@@ -239,6 +273,36 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--plot", type=Path, metavar="FILE.png", help="plot throughput and latency vs load")
     serve.set_defaults(func=cmd_serve)
 
+    # --- bench usage (billing-invoices) ---
+    usage = benches.add_parser(
+        "usage",
+        help="billing at scale on PostgreSQL: /v1/usage latency with 1M ledger rows, ingestion events/s",
+        description="In a scratch database (dropped after): the usage routes of a real `tessera api` on an "
+        "empty ledger, then with --rows seeded by COPY; then outcomes charged through BillingConsumer.",
+    )
+    usage.add_argument("--rows", type=int, default=1_000_000, help="ledger rows seeded (default 1000000)")
+    usage.add_argument("--tenants", type=int, default=20, help="tenants they belong to (default 20)")
+    usage.add_argument("--requests", type=int, default=200, help="timed requests per route (default 200)")
+    usage.add_argument(
+        "--events", type=int, default=20_000, help="events ingested per repeat (default 20000)"
+    )
+    usage.add_argument("--repeat", type=int, default=3, help="ingestion repeats (default 3)")
+    usage.add_argument(
+        "--batches",
+        type=parse_ids,
+        default=[200, 1000],
+        metavar="200,1000",
+        help="consumer batch sizes to ingest with (default 200,1000; 1000 is the consumer's default)",
+    )
+    usage.add_argument(
+        "--postgres-url",
+        metavar="URL",
+        help="the server (default: postgresql://postgres@127.0.0.1:5432/test)",
+    )
+    usage.add_argument("--redis-url", default=None, metavar="URL", help=f"default: {DEFAULT_REDIS_URL}")
+    usage.add_argument("--json", action="store_true", help="print the report as JSON")
+    usage.set_defaults(func=cmd_usage)
+
 
 def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of KV cache (default 256 MiB)"):
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (HF layout)")
@@ -262,8 +326,16 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
     if not args.concurrency or min(args.concurrency) < 1 or args.max_tokens < 1 or args.repeat < 1:
         raise CliError("--concurrency, --max-tokens and --repeat need positive integers", exit_code=2)
+    if args.min_tokens is not None and not 1 <= args.min_tokens <= args.max_tokens:
+        raise CliError("--min-tokens must be in 1..--max-tokens", exit_code=2)
     run_engine_bench(
-        args.model, engine_config(args), args.concurrency, args.max_tokens, args.repeat, args.json
+        args.model,
+        engine_config(args),
+        args.concurrency,
+        args.max_tokens,
+        args.repeat,
+        args.json,
+        args.min_tokens,
     )
 
 
@@ -353,6 +425,9 @@ def cmd_weights(args: argparse.Namespace) -> None:
             f"--formats takes a comma-separated subset of {', '.join(WEIGHT_FORMATS)}, got {args.formats!r}",
             exit_code=2,
         )
+    require_positive(args, "decode_batch", "rounds")  # weights-serving
+    if args.decode_tokens < 0:
+        raise CliError(f"--decode-tokens must be 0 or more, got {args.decode_tokens}", exit_code=2)
     run_weights(
         args.model,
         formats,
@@ -362,7 +437,20 @@ def cmd_weights(args: argparse.Namespace) -> None:
         args.max_tokens,
         args.per_layer,
         args.json,
+        args.decode_tokens,
+        args.decode_batch,
+        args.rounds,
+        args.reference_kernels,
     )
+
+
+def cmd_serving(args: argparse.Namespace) -> None:  # weights-serving
+    from tessera.bench.serving import run_serving
+
+    require_positive(args, "concurrency", "max_tokens", "rounds")
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads needs a positive integer, got {args.threads}", exit_code=2)
+    run_serving(args.concurrency, args.max_tokens, args.rounds, args.threads, args.json)
 
 
 def parse_slo(value: str) -> dict[str, float]:
@@ -376,6 +464,23 @@ def parse_slo(value: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"unknown SLO {name!r}; expected {', '.join(SLO_METRICS)} (ms)")
         slo[name] = parse_positive_float(ms)
     return slo
+
+
+def cmd_usage(args: argparse.Namespace) -> None:
+    from tessera.bench.usage import run_usage
+
+    require_positive(args, "rows", "tenants", "requests", "events", "repeat", "batches")
+    run_usage(
+        args.rows,
+        args.tenants,
+        args.requests,
+        args.events,
+        args.repeat,
+        args.batches,
+        args.postgres_url,
+        args.redis_url,
+        args.json,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

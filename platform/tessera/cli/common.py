@@ -118,7 +118,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_dtype: str | None) 
         "--dtype",
         default=default_dtype,
         metavar="D",
-        help=f"bfloat16, float16 or float32 (default {default_dtype or 'bfloat16'})",
+        help=f"auto, bfloat16, float16 or float32 (default {default_dtype or 'auto: bf16 where it is fast, else fp32'})",
     )
     parser.add_argument(
         "--kv-budget-bytes", type=int, metavar="B", help="bytes of KV cache (default 256 MiB)"
