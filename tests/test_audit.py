@@ -142,3 +142,5 @@ def test_cli_changes_are_audited_as_the_local_user_and_listed_by_tessera_audit_l
     assert "--cursor" in only_keys.err
     bad = tessera("keys", "update", prefix, "--expires-at", "tomorrow")
     assert bad.code == 2 and "ISO time" in bad.err
+    assert tessera("audit", "list", "--limit", "0").code == 2
+    assert "no tenant named" in tessera("audit", "list", "--tenant", "nobody").err

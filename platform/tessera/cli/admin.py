@@ -106,7 +106,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     listing.add_argument(
         "--target-type", choices=("tenant", "key", "quota"), help="only changes to this kind of target"
     )
-    listing.add_argument("--limit", type=int, default=50, metavar="N", help="changes per page (default 50)")
+    listing.add_argument(
+        "--limit", type=parse_page_size, default=50, metavar="N", help="changes per page, 1-200 (default 50)"
+    )
     listing.add_argument("--cursor", metavar="C", help="the next page, as the previous one printed it")
     listing.set_defaults(func=cmd_audit_list)
 
@@ -307,6 +309,16 @@ def cmd_audit_list(args: argparse.Namespace) -> None:
     emit(args, rows, title="Changes (newest first)")
     if page.next_cursor is not None:
         print(f"More: --cursor {page.next_cursor}", file=sys.stderr)
+
+
+def parse_page_size(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if not 1 <= size <= 200:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 200, got {value!r}")
+    return size
 
 
 def parse_expiry(value: str) -> datetime | None:
