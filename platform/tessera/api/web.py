@@ -231,7 +231,12 @@ def signin(request: Request, form: Annotated[SignInForm, Form()]) -> Response:
     return response
 
 
-@router.post("/signout", response_class=HTMLResponse, status_code=303, responses={403: {}})
+@router.post(
+    "/signout",
+    response_class=HTMLResponse,
+    status_code=303,
+    responses={403: {"description": "the form did not carry the session's token"}},
+)
 def signout(request: Request, form: Annotated[SignOutForm, Form()]) -> Response:
     """End the session (its token must come with the form) and clear its cookies."""
     cookie = request.cookies.get(SESSION_COOKIE)
