@@ -22,7 +22,7 @@ def write_kv_reference(
     page_size: int,
 ) -> None:
     if page_scale is None:
-        slots[slot_mapping] = x.to(slots.dtype)
+        slots.index_copy_(0, slot_mapping, x.to(slots.dtype))  # faster than index_put_ on CPU
     else:
         slots[slot_mapping] = quantize_fp8(x, page_scale[slot_mapping // page_size][:, None, None])
 

@@ -1,9 +1,9 @@
 """Paged attention: queries attending to cached K/V through page tables; the torch reference and the
 dispatch to the Triton decode kernel, in one place.
 
-``paged_attention`` takes a step's flat queries and ``kv.attention.AttentionMetadata`` (groups of rows
-padded together: index maps and masks). The reference gathers the slots a group needs and dequantises
-only those, with the per-page scales the cache keeps. Where kernels run, the decode rows (one query each)
+``paged_attention`` takes a step's flat queries and ``kv.attention.AttentionMetadata`` (decode rows with
+their block tables and per-step masks; prefill rows one by one). The reference gathers the whole pages
+a row needs and dequantises only those, with the per-page scales the cache keeps. Where kernels run, the decode rows (one query each)
 go to ``paged_decode_attention`` instead: reference here, kernel in ``paged_attention_triton``, taking
 tensors a kernel can read: q [B, heads, dim], the layer's cache slots [pages * page_size, kv_heads, dim]
 (BF16 as stored, or FP8 bits with per-page ``k_scale``/``v_scale``), ``block_tables`` [B, max_pages] and
@@ -95,36 +95,65 @@ def paged_attention_reference(
 
     GQA: query head h reads KV head ``h // (heads // kv_heads)``. Returns [T, heads, dim] in q's dtype.
     FP8 slots (uint8 bits) come with ``k_scale``/``v_scale``, the per-page scales [pages] of this layer.
+    Decode rows attend in one call over their gathered pages (whole pages: one copy per page, not per
+    slot); each prefill row attends over its own pages, unpadded.
     """
     out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], k_slots.shape[1]
-    for g in meta.groups:
-        qg = q[g.q_index].transpose(1, 2)  # [B, H, Q, D]
-        kg = _gather(k_slots, g.key_slots, k_scale, meta.page_size, q.dtype).transpose(1, 2)  # [B, Hkv, K, D]
-        vg = _gather(v_slots, g.key_slots, v_scale, meta.page_size, q.dtype).transpose(1, 2)
-        mask = g.key_pos[:, None, :] <= g.q_pos[:, :, None]  # [B, Q, K]
-        if sliding_window is not None:
-            mask &= g.key_pos[:, None, :] > g.q_pos[:, :, None] - sliding_window
+    gqa = q.shape[1] != k_slots.shape[1]
+    page_size = meta.page_size
+    decode = meta.decode
+    if decode is not None:
+        tables = decode.block_tables
+        k = _gather_pages(k_slots, tables, k_scale, page_size, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather_pages(v_slots, tables, v_scale, page_size, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            qg, kg, vg, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != num_kv_heads
+            q[decode.rows][:, :, None],
+            k,
+            v,
+            attn_mask=decode.mask(page_size, sliding_window),
+            scale=scale,
+            enable_gqa=gqa,
         )
-        o = o.transpose(1, 2)  # [B, Q, H, D]
-        out[g.q_index[g.q_valid]] = o[g.q_valid]
+        out[decode.rows] = o[:, :, 0]
+    for row in meta.prefill:
+        ctx, n = row.context_len, row.end - row.start
+        k = _gather_pages(k_slots, row.pages[None], k_scale, page_size, q.dtype)[:, :ctx].transpose(1, 2)
+        v = _gather_pages(v_slots, row.pages[None], v_scale, page_size, q.dtype)[:, :ctx].transpose(1, 2)
+        mask = None
+        if n != ctx or sliding_window is not None:
+            key_pos = torch.arange(ctx, device=q.device)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = key_pos[None, :] <= q_pos[:, None]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
+        o = F.scaled_dot_product_attention(
+            q[row.start : row.end].transpose(0, 1)[None],
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[row.start : row.end] = o[0].transpose(0, 1)
     return out
 
 
-def _gather(
+def _gather_pages(
     slots: torch.Tensor,
-    index: torch.Tensor,
+    tables: torch.Tensor,
     page_scale: torch.Tensor | None,
     page_size: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The cached entries at ``index`` [B, K] as [B, K, kv_heads, dim] in ``dtype``, dequantised if FP8."""
-    x = slots[index]
+    """The pages ``tables`` [B, P] names as [B, P * page_size, kv_heads, dim] in ``dtype``, dequantised if FP8."""
+    rows, width = tables.shape
+    pages = slots.view(-1, page_size, *slots.shape[1:]).index_select(0, tables.flatten())
     if page_scale is None:
-        return x.to(dtype)
-    return dequantize_fp8(x, page_scale[index // page_size][..., None, None], dtype)
+        x = pages.to(dtype)
+    else:
+        x = dequantize_fp8(pages, page_scale[tables.flatten()][:, None, None, None], dtype)
+    return x.view(rows, width * page_size, *slots.shape[1:])
 
 
 def paged_attention(
@@ -138,29 +167,22 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_reference`` with its decode rows on the Triton kernel where kernels run."""
-    if not use_triton(q.device):
+    if not use_triton(q.device) or meta.decode is None:
         return paged_attention_reference(q, k_slots, v_slots, meta, scale, sliding_window, k_scale, v_scale)
-    # A group padded to one query row is the step's decode rows (AttentionMetadata groups them apart).
-    decode = [g for g in meta.groups if g.q_index.shape[1] == 1]
-    others = [g for g in meta.groups if g.q_index.shape[1] != 1]
+    decode = meta.decode
     out = paged_attention_reference(
-        q, k_slots, v_slots, replace(meta, groups=others), scale, sliding_window, k_scale, v_scale
+        q, k_slots, v_slots, replace(meta, decode=None), scale, sliding_window, k_scale, v_scale
     )
-    for g in decode:
-        rows = g.q_index[:, 0]
-        # Key positions are clamped to the last token, so every page-start entry names a real page.
-        block_tables = (g.key_slots[:, :: meta.page_size] // meta.page_size).to(torch.int32)
-        seq_lens = (g.q_pos[:, 0] + 1).to(torch.int32)
-        out[rows] = paged_decode_attention(
-            q[rows],
-            k_slots,
-            v_slots,
-            block_tables,
-            seq_lens,
-            meta.page_size,
-            scale,
-            sliding_window,
-            k_scale,
-            v_scale,
-        )
+    out[decode.rows] = paged_decode_attention(
+        q[decode.rows],
+        k_slots,
+        v_slots,
+        decode.block_tables.to(torch.int32),
+        decode.seq_lens.to(torch.int32),
+        meta.page_size,
+        scale,
+        sliding_window,
+        k_scale,
+        v_scale,
+    )
     return out

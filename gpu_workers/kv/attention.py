@@ -3,12 +3,14 @@ and ``PagedAttention``, which writes the new K/V into the cache and attends (``k
 
 One step packs the new tokens of every scheduled sequence into a flat batch of T tokens. Sequence i
 contributes ``query_lens[i]`` tokens, the last ones of its ``context_lens[i]`` cached tokens (prefill
-chunks and decode tokens are the same thing with different lengths).
+chunks and decode tokens are the same thing with different lengths). The metadata is built once per step
+with tensor operations (no per-token Python) and read by every layer: decode rows (one query each) are
+attended together through their block tables, prefill rows one sequence at a time, unpadded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,14 +19,35 @@ from gpu_workers.kv.cache import KVCache, WriteSpans
 
 
 @dataclass
-class _Group:
-    """Sequences attended together: padded query/key index maps and the mask, built once per step."""
+class DecodeRows:
+    """The step's one-token rows: what a paged decode kernel reads, and their masks (one per window)."""
 
-    q_index: torch.Tensor  # [B, Q] flat token index of each padded query row
-    q_valid: torch.Tensor  # [B, Q] bool
-    key_slots: torch.Tensor  # [B, K] cache slot of each key position
-    key_pos: torch.Tensor  # [B, K] position of each key
-    q_pos: torch.Tensor  # [B, Q] position of each query
+    rows: torch.Tensor  # [B] flat token index of each decode row
+    block_tables: torch.Tensor  # [B, P] page ids, padded with the row's last page
+    seq_lens: torch.Tensor  # [B] tokens each row attends to (its own included)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, page_size: int, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, 1, P * page_size] bool: which gathered positions each row attends to; built once per step."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            positions = torch.arange(self.block_tables.shape[1] * page_size, device=self.seq_lens.device)
+            lens = self.seq_lens[:, None]
+            mask = positions[None, :] < lens
+            if sliding_window is not None:
+                mask &= positions[None, :] >= lens - sliding_window
+            mask = self._masks[sliding_window] = mask[:, None, None, :]
+        return mask
+
+
+@dataclass
+class PrefillRow:
+    """One sequence's chunk of several tokens: flat tokens [start, end) at the end of its context."""
+
+    start: int
+    end: int
+    context_len: int
+    pages: torch.Tensor  # [ceil(context_len / page_size)] the pages holding its context
 
 
 @dataclass
@@ -34,9 +57,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token is written to
     query_lens: list[int]
     context_lens: list[int]
-    page_tables: list[list[int]]
     page_size: int
-    groups: list[_Group]
+    decode: DecodeRows | None
+    prefill: list[PrefillRow]
     spans: WriteSpans | None = None  # which sequence each new token belongs to (dynamic FP8 scales)
 
     @classmethod
@@ -50,65 +73,54 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         if not (len(page_tables) == len(context_lens) == len(query_lens)):
             raise ValueError("page_tables, context_lens and query_lens must have one entry per sequence")
-        slots: list[int] = []
-        token_seq: list[int] = []
-        prev_page: list[int] = []
-        for row, (table, ctx, q) in enumerate(zip(page_tables, context_lens, query_lens, strict=True)):
+        for table, ctx, q in zip(page_tables, context_lens, query_lens, strict=True):
             if q <= 0 or q > ctx:
                 raise ValueError(f"query length {q} must be in 1..context length {ctx}")
             if len(table) * page_size < ctx:
                 raise ValueError(f"page table of {len(table)} pages cannot hold {ctx} tokens")
-            for pos in range(ctx - q, ctx):
-                slots.append(table[pos // page_size] * page_size + pos % page_size)
-            token_seq.extend([row] * q)
-            prev_page.append(table[(ctx - q - 1) // page_size] if ctx > q else -1)
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        # Decode rows (one query token) and prefill rows are padded separately so that one long
-        # prefill chunk does not pad every decode row to its length.
-        decode = [i for i, q in enumerate(query_lens) if q == 1]
-        prefill = [i for i, q in enumerate(query_lens) if q > 1]
-        groups = [
-            _build_group(members, page_tables, context_lens, query_lens, starts, page_size, device)
-            for members in (decode, prefill)
-            if members
+        # Tables padded with their last page: every entry names a real page, padding is masked.
+        width = max(-(-ctx // page_size) for ctx in context_lens)
+        tables = torch.tensor(
+            [table[:width] + [table[-1]] * (width - len(table)) for table in page_tables],
+            dtype=torch.long,
+            device=device,
+        )
+        ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
+        q = torch.tensor(query_lens, dtype=torch.long, device=device)
+        seqs = torch.arange(len(query_lens), device=device)
+        token_seq = seqs.repeat_interleave(q)
+        starts = q.cumsum(0) - q
+        positions = torch.arange(len(token_seq), device=device) - starts[token_seq] + (ctx - q)[token_seq]
+        slots = tables[token_seq, positions // page_size] * page_size + positions % page_size
+        first = ctx - q  # position of each sequence's first new token
+        prev_page = torch.where(first > 0, tables[seqs, (first - 1).clamp_min(0) // page_size], -1)
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        decode = None
+        if decode_rows:
+            index = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            lens = ctx[index]
+            decode = DecodeRows(starts[index], tables[index, : -(-max(lens.tolist()) // page_size)], lens)
+        offsets = starts.tolist()
+        prefill = [
+            PrefillRow(
+                offsets[i], offsets[i] + n, context_lens[i], tables[i, : -(-context_lens[i] // page_size)]
+            )
+            for i, n in enumerate(query_lens)
+            if n > 1
         ]
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=slots,
             query_lens=list(query_lens),
             context_lens=list(context_lens),
-            page_tables=[list(t) for t in page_tables],
             page_size=page_size,
-            groups=groups,
-            spans=WriteSpans(
-                torch.tensor(token_seq, dtype=torch.long, device=device),
-                torch.tensor(prev_page, dtype=torch.long, device=device),
-            ),
+            decode=decode,
+            prefill=prefill,
+            spans=WriteSpans(token_seq, prev_page),
         )
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.numel())
-
-
-def _build_group(members, page_tables, context_lens, query_lens, starts, page_size, device) -> _Group:
-    max_q = max(query_lens[i] for i in members)
-    max_k = max(context_lens[i] for i in members)
-    q_index, q_valid, q_pos, key_slots, key_pos = [], [], [], [], []
-    for i in members:
-        q, ctx, table = query_lens[i], context_lens[i], page_tables[i]
-        q_index.append([starts[i] + min(j, q - 1) for j in range(max_q)])
-        q_valid.append([j < q for j in range(max_q)])
-        q_pos.append([ctx - q + min(j, q - 1) for j in range(max_q)])
-        positions = [min(p, ctx - 1) for p in range(max_k)]
-        key_slots.append([table[p // page_size] * page_size + p % page_size for p in positions])
-        key_pos.append(list(range(max_k)))
-
-    def t(x, dtype=torch.long):
-        return torch.tensor(x, dtype=dtype, device=device)
-
-    return _Group(t(q_index), t(q_valid, torch.bool), t(key_slots), t(key_pos), t(q_pos))
 
 
 class PagedAttention:
