@@ -13,22 +13,44 @@ def sample(
     """One token per row of ``logits`` [N, vocab] (float32).
 
     Each row draws from its own generator, so a seeded request picks the same tokens whatever else is
-    in the batch.
+    in the batch. Greedy rows take the argmax; sampled rows are sorted only when top-k or top-p asks.
     """
     if not params:
         return []
-    greedy = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1).tolist()
     sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    tokens = greedy.tolist()
     if not sampled_rows:
         return tokens
     rows = torch.tensor(sampled_rows)
-    probs = _filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+    probs = _probs(logits[rows], [params[i] for i in sampled_rows])
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Rows sharing a generator (every
+    # unseeded request draws from the engine's) take their noise in one call, in row order.
+    noise = torch.empty_like(probs)
+    by_generator: dict[int, list[int]] = {}
     for j, i in enumerate(sampled_rows):
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
-        noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
-        tokens[i] = int((probs[j] / noise).argmax())
+        by_generator.setdefault(id(generators[i]), []).append(j)
+    for members in by_generator.values():
+        generator = generators[sampled_rows[members[0]]]
+        if len(members) == 1:
+            noise[members[0]].exponential_(generator=generator)
+        else:
+            noise[members] = torch.empty(len(members), probs.shape[1]).exponential_(generator=generator)
+    for j, token in enumerate((probs / noise).argmax(dim=-1).tolist()):
+        tokens[sampled_rows[j]] = token
     return tokens
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution: softmax(logits / temperature), filtered where top-k/top-p ask."""
+    vocab = logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+    scaled = logits / temperature
+    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if not filtered:
+        return scaled.softmax(dim=-1)
+    probs = scaled.softmax(dim=-1)
+    probs[filtered] = _filtered_probs(scaled[filtered], [params[j] for j in filtered])
+    return probs
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -39,12 +61,11 @@ def position_seed(seed: int, position: int) -> int:
     return (x ^ (x >> 31)) >> 1  # manual_seed takes a non-negative 63-bit value
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k then top-p over temperature-scaled logits: one sort per row."""
+    vocab = scaled.shape[-1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])[:, None]
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
-    scaled = logits / temperature
+    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(vocab)[None, :]
     drop = rank >= top_k
