@@ -5,6 +5,11 @@ deployment) in a temporary data dir, then drives it with the OpenAI async client
 completions at once (greedy, ``max_tokens`` each), and one stream alone. The offline engine runs the same
 prompts with the decode pool's settings in this process while the stack idles. Rounds alternate the two
 sides, so load from other processes hits both alike; each round yields one API / offline ratio.
+
+Besides wall-clock tok/s, each side reports tokens per CPU second: the stack's processes (API, workers,
+supervisor; not the embedded Redis, which runs detached) against this process's own CPU time offline. On
+a machine shared with other work, wall-clock speed follows each process's share of the cores; CPU time
+says what serving a token costs.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ def run_serving(concurrency: int, max_tokens: int, rounds: int, threads: int | N
         )
         try:
             key = _wait_for_key(up, data_dir / "up.log")
-            report = _measure(f"http://127.0.0.1:{port}/v1", key, data_dir, concurrency, max_tokens, rounds)
+            url = f"http://127.0.0.1:{port}/v1"
+            report = _measure(url, key, data_dir, up.pid, concurrency, max_tokens, rounds)
         finally:
             up.terminate()
             try:
@@ -100,7 +106,10 @@ def _offline_engine(data_dir: Path):
     return Engine.from_pretrained(spec.checkpoint, engine_config(spec, "decode", b"bench")), spec
 
 
-def _measure(base_url: str, key: str, data_dir: Path, concurrency: int, max_tokens: int, rounds: int):
+def _measure(
+    base_url: str, key: str, data_dir: Path, stack_pid: int, concurrency: int, max_tokens: int, rounds: int
+):
+    import psutil
     import torch
     from openai import AsyncOpenAI
 
@@ -110,12 +119,25 @@ def _measure(base_url: str, key: str, data_dir: Path, concurrency: int, max_toke
     prompt_ids = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
-    def offline(n: int) -> float:
-        start = time.perf_counter()
-        outputs = engine.generate([prompt_ids] * n, params)
-        return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+    stack = psutil.Process(stack_pid)
 
-    async def api(n: int) -> float:
+    def stack_cpu_s() -> float:
+        total = 0.0
+        for process in [stack, *stack.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    def offline(n: int) -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
+        outputs = engine.generate([prompt_ids] * n, params)
+        tokens = sum(len(o.token_ids) for o in outputs)
+        return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+
+    async def api(n: int) -> tuple[float, float]:
         client = AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=300)
 
         async def one() -> int:
@@ -133,26 +155,32 @@ def _measure(base_url: str, key: str, data_dir: Path, concurrency: int, max_toke
                     tokens = chunk.usage.completion_tokens
             return tokens
 
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(one() for _ in range(n)))
+        start, cpu = time.perf_counter(), stack_cpu_s()
+        tokens = sum(await asyncio.gather(*(one() for _ in range(n))))
         elapsed = time.perf_counter() - start
+        used = stack_cpu_s() - cpu
         await client.close()
-        return sum(tokens) / elapsed
+        return tokens / elapsed, tokens / used
 
     offline(2)  # warm-up: one-off costs on both sides
     asyncio.run(api(2))
-    sides: dict[str, list[float]] = {
-        f"{side}_{n}": [] for side in ("api", "offline") for n in (concurrency, 1)
-    }
+    names = [f"{side}_{n}" for side in ("api", "offline") for n in (concurrency, 1)]
+    sides: dict[str, list[float]] = {name: [] for name in names}
+    per_cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         order = [("offline", offline), ("api", lambda n: asyncio.run(api(n)))]
         for side, run in order if r % 2 == 0 else order[::-1]:
             for n in (concurrency, 1):
-                sides[f"{side}_{n}"].append(run(n))
-    ratios = {
-        n: [a / o for a, o in zip(sides[f"api_{n}"], sides[f"offline_{n}"], strict=True)]
-        for n in (concurrency, 1)
-    }
+                wall, cpu = run(n)
+                sides[f"{side}_{n}"].append(wall)
+                per_cpu[f"{side}_{n}"].append(cpu)
+
+    def ratios(values: dict[str, list[float]]) -> dict[str, dict]:
+        return {
+            str(n): spread([a / o for a, o in zip(values[f"api_{n}"], values[f"offline_{n}"], strict=True)])
+            for n in (concurrency, 1)
+        }
+
     return {
         "date": date.today().isoformat(),
         "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -168,7 +196,9 @@ def _measure(base_url: str, key: str, data_dir: Path, concurrency: int, max_toke
         "concurrency": concurrency,
         "rounds": rounds,
         "tok_s": {name: spread(values) for name, values in sides.items()},
-        "api_vs_offline": {str(n): spread(values) for n, values in ratios.items()},
+        "api_vs_offline": ratios(sides),
+        "tok_per_cpu_s": {name: spread(values) for name, values in per_cpu.items()},
+        "api_vs_offline_per_cpu_s": ratios(per_cpu),
     }
 
 
@@ -179,10 +209,14 @@ def _print(report: dict) -> None:
         f"{d['decode_kv']}, weights {d['decode_weights']}); {report['prompt_tokens']}-token prompt, "
         f"max_tokens {report['max_tokens']}, greedy; {report['rounds']} rounds: median [min, max]"
     )
-    print(f"{'streams':>8}{'API tok/s':>24}{'offline tok/s':>24}{'API / offline':>24}")
-    for n in (report["concurrency"], 1):
-        tok = report["tok_s"]
-        print(
-            f"{n:>8}{format_spread(tok[f'api_{n}'], '.0f'):>24}{format_spread(tok[f'offline_{n}'], '.0f'):>24}"
-            f"{format_ratio(report['api_vs_offline'][str(n)]):>24}"
-        )
+    for unit, values, ratios in (
+        ("tok/s", report["tok_s"], report["api_vs_offline"]),
+        ("tok/CPU-s", report["tok_per_cpu_s"], report["api_vs_offline_per_cpu_s"]),
+    ):
+        print(f"{'streams':>8}{'API ' + unit:>24}{'offline ' + unit:>24}{'API / offline':>24}")
+        for n in (report["concurrency"], 1):
+            api, offline = (
+                format_spread(values[f"api_{n}"], ".0f"),
+                format_spread(values[f"offline_{n}"], ".0f"),
+            )
+            print(f"{n:>8}{api:>24}{offline:>24}{format_ratio(ratios[str(n)]):>24}")
