@@ -646,12 +646,14 @@ def test_chat_completion_is_an_openai_body_with_full_usage(gw):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello, world"}
     assert body["choices"][0]["finish_reason"] == "stop"
     prompt = len(gw.pools.sent[-1].task.prompt_ids)
-    assert body["usage"] == {
+    tokens = {k: v for k, v in body["usage"].items() if not k.startswith("cost")}  # cost: test_budgets.py
+    assert tokens == {
         "prompt_tokens": prompt,
         "completion_tokens": 3,
         "total_tokens": prompt + 3,
         "prompt_tokens_details": {"cached_tokens": 16},
     }
+    assert body["usage"]["cost"] == body["usage"]["cost_details"]["micro_usd"] / 1e6 > 0
 
 
 def test_completion_maps_length_finish_and_reports_zero_cached_tokens(gw):

@@ -143,16 +143,24 @@ def _failure(code: str, message: str) -> Event:
     return Event(kind="error", error={"code": code, "message": message})
 
 
-def usage_body(usage: dict[str, int] | None) -> dict[str, Any]:
+# A request's price: its usage -> the fields it adds to the usage body (``cost`` in USD and its details).
+Pricing = Callable[[dict[str, int]], dict[str, Any]]
+
+
+def usage_body(usage: dict[str, int] | None, cost: Pricing | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with ``cost``, also what the request costs (as the ledger records it)."""
     usage = usage or {}
     prompt = usage.get("prompt_tokens", 0)
     completion = usage.get("completion_tokens", 0)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
     }
+    if cost is not None:
+        body.update(cost(usage))
+    return body
 
 
 @dataclass
@@ -190,6 +198,7 @@ class OpenAIShape:
     response_id: str
     model: str
     created: int
+    cost: Pricing | None = None
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
         finish = FINISH_REASONS.get(result.finish_reason or "stop", "stop")
@@ -207,7 +216,7 @@ class OpenAIShape:
         return {
             **self._head(obj),
             "choices": [choice],
-            "usage": usage_body(result.usage_or_count(prompt_tokens)),
+            "usage": usage_body(result.usage_or_count(prompt_tokens), self.cost),
         }
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
@@ -223,7 +232,7 @@ class OpenAIShape:
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage_body(usage)}
+        return {**self._head(obj), "choices": [], "usage": usage_body(usage, self.cost)}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
@@ -234,9 +243,11 @@ class OpenAIShape:
 
 class Shape(Protocol):
     """How one request's answer is written: the whole body, stream chunks, the usage chunk, a mid-stream error.
-    ``kind == "chat"`` opens a stream with a role chunk; a ``chunk`` of ``None`` is not sent."""
+    ``kind == "chat"`` opens a stream with a role chunk; a ``chunk`` of ``None`` is not sent. A dataclass: the
+    gateway sets ``cost`` (``dataclasses.replace``) to the request's pricing."""
 
     kind: str
+    cost: Pricing | None
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]: ...
 
@@ -254,6 +265,7 @@ WORKERS_AI_CODES = {
     "permission_denied": 10000,
     "rate_limit_exceeded": 3036,
     "quota_exceeded": 3036,
+    "spend_budget_exceeded": 3036,
     "no_live_worker": 3040,
     "out_of_capacity": 3040,
     "queue_full": 3040,
@@ -299,16 +311,17 @@ class WorkersAIShape:
     ``{"response": "..."}`` events, the last one with ``usage``, then ``[DONE]``."""
 
     kind: str = "workers_ai"
+    cost: Pricing | None = None
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
-        usage = usage_body(result.usage_or_count(prompt_tokens))
+        usage = usage_body(result.usage_or_count(prompt_tokens), self.cost)
         return workers_ai_envelope({"response": result.text, "usage": usage})
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
         return {"response": text} if text else None
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        return {"response": "", "usage": usage_body(usage)}
+        return {"response": "", "usage": usage_body(usage, self.cost)}
 
     def error_chunk(self, error: APIError) -> dict[str, Any]:
         return workers_ai_error(error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
 from tessera.quotas import Limits
@@ -118,13 +118,31 @@ class Quotas(_Request):
     concurrency: int | None = Field(None, ge=0, description="requests in flight")
     daily_tokens: int | None = Field(None, ge=0, description="tokens per UTC day")
     monthly_tokens: int | None = Field(None, ge=0, description="tokens per UTC month")
+    monthly_spend_usd: float | None = Field(
+        None,
+        ge=0,
+        le=1e9,
+        description="spend per UTC month in USD (kept in micro-USD: at most 6 decimals); each request reserves "
+        "its prompt at the fresh price plus max_tokens at the output price, settled to its real cost",
+    )
+
+    @field_validator("monthly_spend_usd")
+    @classmethod
+    def _whole_micro_usd(cls, value: float | None) -> float | None:
+        if value is not None and abs(value * 1_000_000 - round(value * 1_000_000)) > 1e-6:
+            raise ValueError("monthly_spend_usd has more than 6 decimals (the budget is kept in micro-USD)")
+        return value
 
     def limits(self) -> Limits:
-        return Limits(**self.model_dump())
+        values = self.model_dump()
+        spend = values.pop("monthly_spend_usd")
+        return Limits(**values, monthly_spend=None if spend is None else round(spend * 1_000_000))
 
     @classmethod
     def of(cls, limits: Limits) -> Quotas:
-        return cls(**{name: getattr(limits, name) for name in cls.model_fields})
+        values = {name: getattr(limits, name) for name in cls.model_fields if name != "monthly_spend_usd"}
+        spend = limits.monthly_spend
+        return cls(**values, monthly_spend_usd=None if spend is None else spend / 1_000_000)
 
 
 class KeyQuota(BaseModel):

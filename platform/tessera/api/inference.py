@@ -7,6 +7,7 @@ read its token stream → one JSON body or SSE chunks. The request's outcome goe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from billing import metrics
 from gpu_workers.protocol import GenerateTask, Sampling
 from gpu_workers.tokenizer import ChatTemplateError
 from tessera import records, routing, streaming
@@ -31,7 +33,7 @@ from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from tessera.errors import APIError
 from tessera.models import utcnow
-from tessera.quota_config import QuotaLookup
+from tessera.quota_config import PriceCache, QuotaLookup, charge, max_cost
 from tessera.quotas import Held, Quotas, QuotaUnavailable
 from tessera.settings import Settings
 
@@ -63,6 +65,11 @@ class Gateway:
     recorder: records.Recorder
     quotas: Quotas
     quota_lookup: QuotaLookup
+    prices: PriceCache | None = None  # default: over the quota lookup's database
+
+    def __post_init__(self) -> None:
+        if self.prices is None:
+            self.prices = PriceCache(self.quota_lookup.sessions)
 
     def prepare(self, body: GenerationRequest) -> Prepared:
         """Validate ``body`` against its model and tokenise it. Sync: runs in a thread (tokenising is CPU)."""
@@ -171,10 +178,18 @@ class Gateway:
         spec = prepared.model.spec
         started_at = utcnow()
         prompt_tokens = len(prepared.prompt_ids)
-        scopes = await run_in_threadpool(self.quota_lookup.scopes, caller.tenant_id, caller.key_id)
+
+        def lookup():  # cached: no database query on most requests
+            scopes = self.quota_lookup.scopes(caller.tenant_id, caller.key_id)
+            return scopes, self.prices.at(spec.name, started_at)  # the version billing prices it with
+
+        scopes, price = await run_in_threadpool(lookup)
         try:
             decision, reservation = await self.quotas.admit(
-                rid, scopes, prompt_tokens + prepared.sampling.max_tokens
+                rid,
+                scopes,
+                prompt_tokens + prepared.sampling.max_tokens,
+                max_cost(price, prompt_tokens, prepared.sampling.max_tokens),
             )
         except QuotaUnavailable as e:  # fail closed: never admit a request whose quota cannot be checked
             log.error("could not check the quotas of request %s: %s", rid, e)
@@ -185,6 +200,7 @@ class Gateway:
                 headers={"Retry-After": "5"},
             ) from None
         if reservation is None:
+            metrics.RATE_LIMITED.labels(limit=decision.limit or "unknown").inc()
             raise APIError(429, decision.message(), decision.code, headers=decision.headers())
         held = Held(self.quotas, reservation)
         streamed = False  # a stream settles when it ends; everything else settles here
@@ -226,11 +242,13 @@ class Gateway:
                 shape = streaming.OpenAIShape(
                     kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
                 )
+            shape = dataclasses.replace(shape, cost=lambda usage: charge(price, usage).usage_fields())
 
             def settle(result: streaming.Result) -> None:
                 if result.usage is not None or result.token_ids:  # else it failed before producing tokens
                     usage = result.usage_or_count(prompt_tokens)
                     held.used_tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+                    held.used_cost = charge(price, usage).total
                 outcome = records.outcome_of(
                     result,
                     reader,
