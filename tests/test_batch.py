@@ -218,6 +218,23 @@ def test_a_batch_over_the_size_limit_is_413_in_the_envelope(gw, account, monkeyp
 
 
 @pytest.mark.parametrize("prefix", PREFIXES)
+def test_a_batch_may_exceed_the_interactive_body_limit_but_a_run_may_not(gw, account, prefix):
+    interactive = gw.settings.max_body_bytes
+    # Items that fail validation (max_tokens 0), so nothing is queued: what matters is who refused them.
+    items = [{"prompt": "x" * 1000, "max_tokens": 0}] * (interactive // 1000 + 100)
+    over = queue(gw.client, account, gw.model, items, gw.key, prefix)
+    assert over.status_code == 400, over.text[:300]  # the route read it: per-item errors, not a 413
+    assert over.json()["errors"][0]["message"].startswith("requests[0]")
+    run = gw.client.post(
+        f"{prefix}/accounts/{account}/ai/run/{gw.model}",
+        headers={"Authorization": f"Bearer {gw.key}"},
+        json={"prompt": "x" * (interactive + 1)},
+    )
+    assert run.status_code == 413
+    assert run.json()["success"] is False and run.json()["errors"][0]["code"] == 3006  # Workers AI's envelope
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
 def test_another_tenant_cannot_poll_a_batch(gw, account, prefix):
     batch_id = queued_id(queue(gw.client, account, gw.model, [{"prompt": "secret"}], gw.key, prefix))
     with gw.sessions() as session:

@@ -95,7 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.records_writer = writer
     app.state.billing_consumer = billing_consumer
     app.state.batch_runner = batch_runner
-    errors.install(app, settings.max_body_bytes)
+    errors.install(app, settings.max_body_bytes, settings.batch_max_body_bytes)
     app.include_router(inference.router)
     app.include_router(health.router)
     app.include_router(admin.router)

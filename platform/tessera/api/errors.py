@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tessera.errors import APIError, error_body
+from tessera.streaming import workers_ai_error
 
 log = logging.getLogger(__name__)
 
@@ -165,26 +168,41 @@ class BodyTooLarge(StarletteHTTPException):
     pass
 
 
-class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` with 413: by Content-Length before reading, else while reading."""
+# Workers AI's run route, on both of its paths: its errors go in Workers AI's envelope.
+WORKERS_AI_RUN = re.compile(r"^(?:/client/v4)?/accounts/[^/]+/ai/run/")
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+
+class BodyLimitMiddleware:
+    """Refuse bodies over the limit with 413: by Content-Length before reading, else while reading. The
+    limit is ``max_bytes``, or ``batch_max_bytes`` for a Workers-AI async batch (``?queueRequest=true``)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, batch_max_bytes: int | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.batch_max_bytes = batch_max_bytes
+
+    def _limit(self, scope: Scope) -> tuple[int, bool]:
+        """The body limit for this request, and whether its errors take Workers AI's envelope."""
+        if not WORKERS_AI_RUN.match(scope["path"]):
+            return self.max_bytes, False
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        batch = any(value.lower() == "true" for value in query.get("queueRequest", []))
+        return (self.batch_max_bytes if batch and self.batch_max_bytes else self.max_bytes), True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        detail = (
-            f"the request body is larger than the limit of {self.max_bytes} bytes; send a smaller request"
-        )
+        limit, workers_ai = self._limit(scope)
+        detail = f"the request body is larger than the limit of {limit} bytes; send a smaller request"
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        if length is not None and (not length.isdigit() or int(length) > limit):
             status = 413 if length.isdigit() else 400
             code = "request_too_large" if status == 413 else "invalid_request"
             message = detail if status == 413 else "the Content-Length header is not a number"
-            await JSONResponse(error_body(status, message, code), status_code=status)(scope, receive, send)
+            error = APIError(status, message, code)
+            body = workers_ai_error(error) if workers_ai else error.body()
+            await JSONResponse(body, status_code=status)(scope, receive, send)
             return
         received = 0
 
@@ -193,7 +211,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     raise BodyTooLarge(413, detail)
             return message
 
@@ -223,11 +241,11 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(validation_error(exc.errors()))
 
 
-def install(app: FastAPI, max_body_bytes: int) -> None:
+def install(app: FastAPI, max_body_bytes: int, batch_max_body_bytes: int | None = None) -> None:
     """Register the error handlers and the request-id and body-limit middleware on ``app``."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, batch_max_bytes=batch_max_body_bytes)
     # Added last so it is outermost: even the body limit's 413 carries the request id.
     app.add_middleware(RequestIdMiddleware)
