@@ -65,6 +65,13 @@ function renderDeployments() {
   document.querySelector("#deployments tbody").replaceChildren(
     ...[...deployments.values()].map((d) =>
       row(
+        (() => {
+          const td = cell("");
+          const edit = button("Edit", () => openDeployment(d.name));
+          edit.setAttribute("aria-label", `Edit ${d.name}`);
+          td.append(edit);
+          return td;
+        })(),
         cell(d.name),
         cell(d.mode),
         cell(`${d.prefill_weights} / ${d.decode_weights}`),
@@ -73,13 +80,6 @@ function renderDeployments() {
         cell(yesNo(d.integrity_check)),
         cell(yesNo(d.prefix_cache)),
         cell(yesNo(d.enabled)),
-        (() => {
-          const td = cell("");
-          const edit = button("Edit", () => openDeployment(d.name));
-          edit.setAttribute("aria-label", `Edit ${d.name}`);
-          td.append(edit);
-          return td;
-        })(),
       ),
     ),
   );
