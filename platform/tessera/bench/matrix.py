@@ -1,0 +1,744 @@
+"""``tessera bench matrix``: the same closed-loop load against a deployment's configurations, side by side.
+
+For each configuration of the chosen axes (decode KV format, weight format, integrity check, prefix cache),
+under one fixed ``kv_budget_bytes`` per worker: PATCH the deployment through the admin API, wait until every
+live worker reports the new config version and none is draining, then run ``tessera bench serve``'s closed
+loop at each concurrency while ``/admin/pools`` is sampled. The deployment's original config is put back at
+the end, also after an error or Ctrl-C.
+
+A level is *held* when every request completed and the pool whose KV holds requests to their end (decode, or
+serve when colocated) neither preempted a sequence (the ``preemptions`` counter of its heartbeats, before vs
+after) nor kept a request waiting for memory (a sample with ``waiting > 0`` while fewer pages were free than
+a prompt needs, or every batch slot taken). A request that waits one step for its hand-off to be imported is
+not queueing. A configuration's *held concurrency* is the highest level held with every lower level held.
+
+Cost per million output tokens: ``--worker-usd-per-hour`` times the deployment's live workers times the
+level's duration, over its output tokens, at the configuration's peak level; beside it what the server billed
+per million output tokens (``usage.cost_details`` in its responses: the price book, rounded per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tessera.bench import BenchError
+from tessera.bench.console import print_report, progress
+from tessera.bench.serve import Outcome, Workload, closed_loop, prompts, summarize
+
+# A round placeholder, not a market price: pass your accelerator's hourly price.
+DEFAULT_WORKER_USD_PER_HOUR = 2.0
+RELOAD_TIMEOUT_S = 300.0
+SAMPLE_INTERVAL_S = 0.5
+FRESH_HEARTBEAT_TIMEOUT_S = 10.0  # workers heartbeat every 2 s
+PREFILL_CONCURRENCY = 4
+MODE_UNSUPPORTED = (
+    "colocated vs disaggregated cannot be benchmarked by a live change: a config change restarts each worker "
+    "on its own pool, and a worker refuses a pool its deployment's mode does not have (`tessera worker "
+    "--pool decode` exits 2 on a colocated deployment), so after a mode change no worker would serve it. Set "
+    "the mode with `tessera deployments update --mode`, start that mode's workers, and run the matrix once "
+    "per mode"
+)
+CONFIG_FIELDS = (
+    "dtype",
+    "kv_budget_bytes",
+    "decode_kv",
+    "prefill_weights",
+    "decode_weights",
+    "integrity_check",
+    "prefix_cache",
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    changes: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    title: str
+    variants: tuple[Variant, ...]  # the first is the baseline of its ratios
+    shared_prefix: bool = False  # its load shares a system prompt (the prefix cache's workload)
+    prefill_probe: bool = False  # also measure prefill tok/s (prompt-only requests)
+
+
+AXES: dict[str, Axis] = {
+    axis.name: axis
+    for axis in (
+        Axis(
+            "kv",
+            "decode KV format",
+            (Variant("bf16", {"decode_kv": "bf16"}), Variant("fp8_e4m3", {"decode_kv": "fp8_e4m3"})),
+        ),
+        Axis(
+            "weights",
+            "weight format (prefill and decode pools)",
+            tuple(Variant(w, {"prefill_weights": w, "decode_weights": w}) for w in ("bf16", "fp8", "int4")),
+            prefill_probe=True,
+        ),
+        Axis(
+            "integrity",
+            "KV integrity check",
+            (Variant("off", {"integrity_check": False}), Variant("on", {"integrity_check": True})),
+        ),
+        Axis(
+            "prefix",
+            "prefix cache (shared system prompt)",
+            (Variant("off", {"prefix_cache": False}), Variant("on", {"prefix_cache": True})),
+            shared_prefix=True,
+        ),
+    )
+}
+AXIS_NAMES = (*AXES, "mode")
+
+
+@dataclass
+class MatrixSpec:
+    url: str
+    admin_key: str
+    api_key: str
+    deployment: str
+    axes: list[str]
+    concurrency: list[int]
+    input_len: int
+    output_len: int
+    requests_per_client: int = 4
+    shared_prefix_len: int | None = None  # default: 3/4 of input_len
+    prefill_len: int | None = None  # default: input_len
+    prefill_requests: int = 8
+    kv_budget_bytes: int | None = None  # default: the deployment's own
+    dtype: str | None = None  # default: the deployment's own; "auto" measures the CPU in each new worker
+    worker_usd_per_hour: float = DEFAULT_WORKER_USD_PER_HOUR
+    vocab: int = 1000
+    seed: int | None = None  # default: a new one per run, so no prompt hits a cache an earlier run filled
+    reload_timeout_s: float = RELOAD_TIMEOUT_S
+
+
+# --- arithmetic ----------------------------------------------------------------------------------------------
+
+
+def cost_per_million(
+    usd_per_hour: float, workers: int, duration_s: float, output_tokens: int
+) -> float | None:
+    """USD per million output tokens when ``workers`` workers, each ``usd_per_hour``, spend ``duration_s``
+    producing ``output_tokens``; None without tokens."""
+    if output_tokens <= 0:
+        return None
+    return usd_per_hour * workers * duration_s / 3600 / output_tokens * 1e6
+
+
+def held_concurrency(levels: list[dict]) -> int | None:
+    """The highest concurrency held with every lower level held too; None if the lowest was not held."""
+    held = None
+    for level in sorted(levels, key=lambda lv: lv["concurrency"]):
+        if not level["held"]:
+            break
+        held = level["concurrency"]
+    return held
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return math.ceil(tokens / page_size)
+
+
+def queued(worker: dict, pages_needed: int, max_num_seqs: int) -> bool:
+    """Whether a heartbeat shows a request waiting for memory or a batch slot (not merely for the next step)."""
+    if worker["waiting"] <= 0:
+        return False
+    free = worker["kv_pages_total"] - worker["kv_pages_used"]
+    return free < pages_needed or worker["running"] >= max_num_seqs
+
+
+# --- the admin API -------------------------------------------------------------------------------------------
+
+
+class Admin:
+    """The admin routes the matrix drives, raising BenchError with the server's message on a refusal."""
+
+    def __init__(self, url: str, key: str):
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise BenchError(f"{method} {path}: cannot reach the server ({e!r}); is it running?") from None
+        if response.status_code in (401, 403):
+            raise BenchError(
+                f"{method} {path}: {response.status_code}: --admin-key must be an admin-scoped key"
+            )
+        if response.status_code != 200:
+            raise BenchError(f"{method} {path}: {response.status_code}: {_message(response)}")
+        return response.json()
+
+    def deployment(self, name: str) -> dict:
+        return self._call("GET", f"/admin/deployments/{name}")
+
+    def update(self, name: str, changes: dict) -> dict:
+        return self._call("PATCH", f"/admin/deployments/{name}", json=changes)
+
+    def version(self, name: str) -> int:
+        """The config version workers report: the number of audited changes (its creation included)."""
+        count, cursor = 0, None
+        while True:
+            params = {"limit": 200, **({"cursor": cursor} if cursor else {})}
+            page = self._call("GET", f"/admin/deployments/{name}/audit", params=params)
+            count += len(page["data"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return count
+
+    def pools(self, name: str) -> list[dict]:
+        return _pools_of(self._call, name)
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:300]
+
+
+def _pools_of(call: Callable[..., Any], name: str) -> list[dict]:
+    cursor = None
+    while True:
+        page = call("GET", "/admin/pools", params={"limit": 200, **({"cursor": cursor} if cursor else {})})
+        found = [p for p in page["data"] if p["deployment"] == name]
+        cursor = page.get("next_cursor")
+        if found or not cursor:
+            return found
+
+
+def _workers(pools: list[dict]) -> dict[str, dict]:
+    return {w["worker_id"]: {**w, "pool": p["pool"]} for p in pools for w in p["workers"]}
+
+
+def wait_for_config(admin: Admin, name: str, version: int, pools: set[str], timeout_s: float) -> list[dict]:
+    """Until every live worker of ``name`` reports ``version`` and none is draining, with each of ``pools``
+    served; the pools then."""
+    deadline = time.monotonic() + timeout_s
+    found: list[dict] = []
+    while time.monotonic() < deadline:
+        found = admin.pools(name)
+        workers = [w for p in found for w in p["workers"]]
+        if {p["pool"] for p in found if p["live_workers"]} >= pools and all(
+            w["config_version"] == version and not w["draining"] for w in workers
+        ):
+            return found
+        time.sleep(0.5)
+    seen = [
+        f"{p['pool']}: "
+        + ", ".join(f"v{w['config_version']}{' draining' if w['draining'] else ''}" for w in p["workers"])
+        for p in found
+    ]
+    raise BenchError(
+        f"the workers of {name} did not all reach config version {version} within {timeout_s:.0f}s "
+        f"({'; '.join(seen) or 'no live workers'}); see the workers' logs, or raise --reload-timeout"
+    )
+
+
+# --- one configuration ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LevelWatch:
+    """What ``/admin/pools`` showed about one level: heartbeats before, during and after it."""
+
+    before: dict[str, dict] = field(default_factory=dict)
+    samples: list[dict[str, dict]] = field(default_factory=list)
+    after: dict[str, dict] = field(default_factory=dict)
+
+
+async def _sample(http: httpx.AsyncClient, name: str) -> dict[str, dict]:
+    async def call(method: str, path: str, **kwargs) -> Any:
+        response = await http.request(method, path, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    cursor = None
+    while True:  # _pools_of, asynchronously
+        params = {"limit": 200, **({"cursor": cursor} if cursor else {})}
+        page = await call("GET", "/admin/pools", params=params)
+        found = [p for p in page["data"] if p["deployment"] == name]
+        cursor = page.get("next_cursor")
+        if found or not cursor:
+            return _workers(found)
+
+
+async def _fresh(http: httpx.AsyncClient, name: str, after: dict[str, dict]) -> dict[str, dict]:
+    """The first snapshot in which every worker of ``after`` has heartbeated again (counters include the
+    level's end); the last one seen if that takes too long."""
+    deadline = time.monotonic() + FRESH_HEARTBEAT_TIMEOUT_S
+    while True:
+        now = await _sample(http, name)
+        if time.monotonic() > deadline or all(
+            wid in now and now[wid]["last_seen"] != w["last_seen"] for wid, w in after.items()
+        ):
+            return now
+        await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+
+async def watched_level(
+    url: str,
+    admin_key: str,
+    name: str,
+    api_key: str,
+    workload: Workload,
+    batch: list[list[int]],
+    concurrency: int,
+    tick: Callable[[], None],
+) -> tuple[list[Outcome], float, LevelWatch]:
+    """``closed_loop`` at ``concurrency`` while the deployment's heartbeats are sampled."""
+    watch = LevelWatch()
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+        watch.before = await _sample(http, name)
+        done = asyncio.Event()
+
+        async def sampler() -> None:
+            while not done.is_set():
+                # A missed sample is no loss: the counters before and after still tell preemptions.
+                with contextlib.suppress(httpx.HTTPError):
+                    watch.samples.append(await _sample(http, name))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(done.wait(), SAMPLE_INTERVAL_S)
+
+        task = asyncio.create_task(sampler())
+        try:
+            outcomes, duration = await closed_loop(url, [api_key], workload, batch, concurrency, tick)
+        finally:
+            done.set()
+            await task
+        end = await _sample(http, name)
+        watch.after = await _fresh(http, name, end)
+    return outcomes, duration, watch
+
+
+def level_report(
+    concurrency: int,
+    outcomes: list[Outcome],
+    duration: float,
+    watch: LevelWatch,
+    kv_pools: set[str],
+    pages_needed: int,
+    max_num_seqs: int,
+    workers: int,
+    usd_per_hour: float,
+) -> dict:
+    """One level: ``summarize``'s metrics, what the KV pool showed, and its cost."""
+    summary = summarize(outcomes, duration, {})
+    preemptions = {
+        wid: w["preemptions"] - watch.before[wid]["preemptions"]
+        for wid, w in watch.after.items()
+        if wid in watch.before and w["pool"] in kv_pools
+    }
+    seen: set[tuple[str, Any]] = set()
+    queued_heartbeats, max_waiting = 0, 0
+    for sample in watch.samples:
+        for wid, w in sample.items():
+            if w["pool"] not in kv_pools or (wid, w["last_seen"]) in seen:
+                continue
+            seen.add((wid, w["last_seen"]))
+            max_waiting = max(max_waiting, w["waiting"])
+            queued_heartbeats += queued(w, pages_needed, max_num_seqs)
+    kv_used = [w["kv_pages_used"] / w["kv_pages_total"] for s in watch.samples for w in s.values()
+               if w["pool"] in kv_pools and w["kv_pages_total"]]  # fmt: skip
+    billed = sum(o.output_cost_usd for o in outcomes if o.status == "ok")
+    return {
+        "concurrency": concurrency,
+        **summary,
+        "preemptions": sum(preemptions.values()),
+        "heartbeats_seen": len(seen),
+        "queued_heartbeats": queued_heartbeats,
+        "max_waiting": max_waiting,
+        "max_kv_pages_used_share": round(max(kv_used), 3) if kv_used else None,
+        "held": summary["completed"] == summary["requests"]
+        and not sum(preemptions.values())
+        and not queued_heartbeats,
+        "worker_seconds": round(workers * duration, 3),
+        "cost_per_mtok_usd": _round(
+            cost_per_million(usd_per_hour, workers, duration, summary["output_tokens"]), 4
+        ),
+        "billed_output_usd": round(billed, 6),
+    }
+
+
+def _round(value: float | None, ndigits: int) -> float | None:
+    return None if value is None else round(value, ndigits)
+
+
+@dataclass
+class Run:
+    """One configuration under one workload: what the matrix measures once, whatever axes share it."""
+
+    config: dict[str, Any]
+    shared_prefix: bool
+    prefill_probe: bool = False
+    report: dict | None = None
+
+    def key(self) -> tuple:
+        return (tuple(sorted(self.config.items())), self.shared_prefix)
+
+
+def plan(spec: MatrixSpec, original: dict) -> tuple[list[Run], dict[tuple[str, str], int]]:
+    """The distinct runs the axes need (each shared configuration once) and, per (axis, variant), its run."""
+    base = {k: original[k] for k in CONFIG_FIELDS}
+    if spec.kv_budget_bytes is not None:
+        base["kv_budget_bytes"] = spec.kv_budget_bytes
+    if spec.dtype is not None:
+        base["dtype"] = spec.dtype
+    runs: list[Run] = []
+    index: dict[tuple, int] = {}
+    of: dict[tuple[str, str], int] = {}
+    for name in spec.axes:
+        axis = AXES[name]
+        for variant in axis.variants:
+            run = Run({**base, **variant.changes}, axis.shared_prefix)
+            i = index.setdefault(run.key(), len(runs))
+            if i == len(runs):
+                runs.append(run)
+            runs[i].prefill_probe |= axis.prefill_probe
+            of[(name, variant.name)] = i
+    # The run the deployment already serves goes first: it needs no reload.
+    current = {k: original[k] for k in CONFIG_FIELDS}
+    order = sorted(range(len(runs)), key=lambda i: runs[i].config != current)
+    renumber = {old: new for new, old in enumerate(order)}
+    return [runs[i] for i in order], {k: renumber[i] for k, i in of.items()}
+
+
+def _served(pools: list[dict]) -> dict:
+    """What the workers themselves report serving, per pool."""
+    return {
+        p["pool"]: {
+            "live_workers": p["live_workers"],
+            "kv_formats": p["kv_formats"],
+            "kv_pages_total": sorted({w["kv_pages_total"] for w in p["workers"]}),
+            "integrity_check": sorted({w["integrity_check"] for w in p["workers"]}, key=str),
+            "config_versions": sorted({w["config_version"] for w in p["workers"]}, key=str),
+        }
+        for p in pools
+    }
+
+
+class Matrix:
+    def __init__(self, spec: MatrixSpec):
+        self.spec = spec
+        self.admin = Admin(spec.url, spec.admin_key)
+        self.seed = spec.seed if spec.seed is not None else random.randrange(2**31)
+        self.all_outcomes: list[Outcome] = []
+        self.restored: dict | None = None
+
+    def apply(self, config: dict, expected_pools: set[str]) -> tuple[int, list[dict]]:
+        """PATCH ``config`` and wait for every worker to serve it; (version, pools)."""
+        self.admin.update(self.spec.deployment, config)
+        version = self.admin.version(self.spec.deployment)
+        pools = wait_for_config(
+            self.admin, self.spec.deployment, version, expected_pools, self.spec.reload_timeout_s
+        )
+        return version, pools
+
+    def send_once(self, workload: Workload, prompt: list[int], what: str) -> None:
+        outcomes, _ = asyncio.run(
+            closed_loop(self.spec.url, [self.spec.api_key], workload, [prompt], 1, _noop)
+        )
+        self.all_outcomes += outcomes
+        if outcomes[0].status != "ok":
+            raise BenchError(
+                f"the {what} request failed ({outcomes[0].status}): check --input-len/--output-len against the "
+                f"model's context and the deployment's max_tokens_limit, and the kv budget against one request"
+            )
+
+    def measure(self, run: Run, tick: Callable[[], None]) -> dict:
+        s = self.spec
+        deployment = self.admin.deployment(s.deployment)
+        colocated = deployment["mode"] == "colocated"
+        expected = {"serve"} if colocated else {"prefill", "decode"}
+        version, pools = self.apply(run.config, expected)
+        workers = sum(p["live_workers"] for p in pools)
+        kv_pools = {"serve"} if colocated else {"decode"}
+        workload = Workload(
+            s.deployment,
+            s.input_len,
+            s.output_len,
+            shared_prefix_len=(s.shared_prefix_len or s.input_len * 3 // 4) if run.shared_prefix else 0,
+            vocab=s.vocab,
+            seed=self.seed,
+        )
+        sizes = [c * s.requests_per_client for c in s.concurrency]
+        batch = prompts(workload, 1 + sum(sizes), tenants=1)  # one shared prefix, every prompt unique
+        self.send_once(workload, batch[0], "warm-up")  # also puts the shared prefix in the cache
+        pages_needed = pages_for(s.input_len + 1, deployment["page_size"])
+        levels, start = [], 1
+        for c, size in zip(s.concurrency, sizes, strict=True):
+            outcomes, duration, watch = asyncio.run(
+                watched_level(
+                    s.url,
+                    s.admin_key,
+                    s.deployment,
+                    s.api_key,
+                    workload,
+                    batch[start : start + size],
+                    c,
+                    tick,
+                )
+            )
+            start += size
+            self.all_outcomes += outcomes
+            levels.append(
+                level_report(
+                    c,
+                    outcomes,
+                    duration,
+                    watch,
+                    kv_pools,
+                    pages_needed,
+                    deployment["max_num_seqs"],
+                    workers,
+                    s.worker_usd_per_hour,
+                )  # fmt: skip
+            )
+        report = {
+            "config": run.config,
+            "workload": asdict(workload),
+            "config_version": version,
+            "served": _served(pools),
+            "workers": workers,
+            "levels": levels,
+            **config_summary(levels),
+            "prefill": self.prefill(workload, tick) if run.prefill_probe else None,
+        }
+        report["served_after"] = _served(self.admin.pools(s.deployment))
+        return report
+
+    def prefill(self, workload: Workload, tick: Callable[[], None]) -> dict:
+        """Prompt tokens per second over prompt-only requests (one output token), a few at once."""
+        s = self.spec
+        probe = replace(workload, input_len=s.prefill_len or s.input_len, output_len=1, shared_prefix_len=0,
+                        seed=workload.seed + 1)  # fmt: skip
+        batch = prompts(probe, s.prefill_requests, tenants=1)
+        outcomes, duration = asyncio.run(
+            closed_loop(s.url, [s.api_key], probe, batch, PREFILL_CONCURRENCY, tick)
+        )
+        self.all_outcomes += outcomes
+        ok = [o for o in outcomes if o.status == "ok"]
+        fresh = sum(o.prompt_tokens - o.cached_tokens for o in ok)
+        ttfts = [o.ttft for o in ok if o.ttft is not None]
+        return {
+            "input_len": probe.input_len,
+            "requests": len(outcomes),
+            "completed": len(ok),
+            "concurrency": PREFILL_CONCURRENCY,
+            "prompt_tokens": sum(o.prompt_tokens for o in ok),
+            "fresh_prompt_tokens": fresh,
+            "prefill_throughput": round(fresh / duration, 1),
+            "ttft_ms_mean": round(1000 * sum(ttfts) / len(ttfts), 2) if ttfts else None,
+        }
+
+    def restore(self, original: dict) -> None:
+        wanted = {k: original[k] for k in CONFIG_FIELDS}
+        current = self.admin.deployment(self.spec.deployment)
+        expected = {"serve"} if current["mode"] == "colocated" else {"prefill", "decode"}
+        if {k: current[k] for k in CONFIG_FIELDS} != wanted:
+            self.apply(wanted, expected)
+        self.restored = {k: self.admin.deployment(self.spec.deployment)[k] for k in CONFIG_FIELDS}
+
+
+def config_summary(levels: list[dict]) -> dict:
+    """Peak output throughput (and its level), held concurrency, cost at the peak, billed output price."""
+    peak = max(levels, key=lambda lv: lv["output_throughput"])
+    output = sum(lv["output_tokens"] for lv in levels)
+    billed = sum(lv["billed_output_usd"] for lv in levels)
+    return {
+        "peak_output_throughput": peak["output_throughput"],
+        "peak_concurrency": peak["concurrency"],
+        "held_concurrency": held_concurrency(levels),
+        "cost_per_mtok_usd": peak["cost_per_mtok_usd"],
+        "billed_output_usd_per_mtok": round(billed / output * 1e6, 4) if output and billed else None,
+    }
+
+
+def _noop() -> None:
+    pass
+
+
+def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None = None,
+               plot_path: Path | None = None) -> dict:  # fmt: skip
+    """Every run in turn, the original config restored at the end; prints the report and returns it."""
+    if "mode" in spec.axes:
+        raise BenchError(MODE_UNSUPPORTED)
+    matrix = Matrix(spec)
+    try:
+        original = matrix.admin.deployment(spec.deployment)
+        runs, of = plan(spec, original)
+        total = len(runs) * sum(c * spec.requests_per_client for c in spec.concurrency) + sum(
+            spec.prefill_requests for r in runs if r.prefill_probe
+        )
+        try:
+            with progress(total) as tick:
+                for run in runs:
+                    run.report = matrix.measure(run, tick)
+        finally:
+            matrix.restore(original)
+    finally:
+        matrix.admin.close()
+    ok = [o for o in matrix.all_outcomes if o.status == "ok"]
+    report = {
+        "url": spec.url,
+        "deployment": spec.deployment,
+        "original_config": {k: original[k] for k in CONFIG_FIELDS},
+        "restored_config": matrix.restored,
+        "kv_budget_bytes": runs[0].config["kv_budget_bytes"],
+        "dtype": runs[0].config["dtype"],
+        "mode": original["mode"],
+        "concurrency": spec.concurrency,
+        "input_len": spec.input_len,
+        "output_len": spec.output_len,
+        "requests_per_client": spec.requests_per_client,
+        "seed": matrix.seed,
+        "worker_usd_per_hour": spec.worker_usd_per_hour,
+        "axes": {
+            name: {
+                "title": AXES[name].title,
+                "baseline": AXES[name].variants[0].name,
+                "variants": {v.name: of[(name, v.name)] for v in AXES[name].variants},
+            }
+            for name in spec.axes
+        },
+        "runs": [run.report for run in runs],
+        "totals": {  # everything sent, warm-ups and prefill probes included: what the ledger should hold
+            "requests": len(matrix.all_outcomes),
+            "completed": len(ok),
+            "prompt_tokens": sum(o.prompt_tokens for o in ok),
+            "cached_tokens": sum(o.cached_tokens for o in ok),
+            "output_tokens": sum(o.output_tokens for o in ok),
+        },
+        "machine": f"client: {os.cpu_count()}-core CPU, Python {sys.version.split()[0]}",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+    }
+    print_report(report, as_json=as_json, render=tables)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if plot_path is not None:
+        plot(report, plot_path)
+    return report
+
+
+# --- tables --------------------------------------------------------------------------------------------------
+
+
+def axis_rows(report: dict, axis: str) -> tuple[list[str], list[tuple[str, list[float | None], str]]]:
+    """(variant names, rows of (label, value per variant, format)) for one axis's table."""
+    spec = report["axes"][axis]
+    names = list(spec["variants"])
+    runs = [report["runs"][spec["variants"][n]] for n in names]
+    top = max(report["concurrency"])
+
+    def at(run: dict, c: int) -> dict:
+        return next(lv for lv in run["levels"] if lv["concurrency"] == c)
+
+    def pct(run: dict, c: int, metric: str, p: str) -> float | None:
+        return (at(run, c)[metric] or {}).get(p)
+
+    rows: list[tuple[str, list[float | None], str]] = []
+    for c in report["concurrency"]:
+        rows.append((f"out tok/s c={c}", [at(r, c)["output_throughput"] for r in runs], ".1f"))
+    rows.append(("peak out tok/s", [r["peak_output_throughput"] for r in runs], ".1f"))
+    rows.append(("held c (no preemption/queue)", [r["held_concurrency"] for r in runs], "d"))
+    rows.append(
+        ("preemptions (all levels)", [sum(lv["preemptions"] for lv in r["levels"]) for r in runs], "d")
+    )
+    if axis == "prefix":
+        for c in report["concurrency"]:
+            rows.append((f"TTFT p50 ms c={c}", [pct(r, c, "ttft_ms", "p50") for r in runs], ".1f"))
+        rows.append(("cached share", [at(r, top)["cached_token_share"] for r in runs], ".2f"))
+    rows.append((f"TTFT p95 ms c={top}", [pct(r, top, "ttft_ms", "p95") for r in runs], ".1f"))
+    rows.append((f"TPOT p95 ms c={top}", [pct(r, top, "tpot_ms", "p95") for r in runs], ".2f"))
+    if axis == "weights":
+        rows.append(("prefill tok/s", [(r["prefill"] or {}).get("prefill_throughput") for r in runs], ".1f"))
+    rows.append(("$/M out (worker-s, peak)", [r["cost_per_mtok_usd"] for r in runs], ".3f"))
+    rows.append(("billed $/M out", [r["billed_output_usd_per_mtok"] for r in runs], ".4f"))
+    return names, rows
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or not base:
+        return None
+    return value / base
+
+
+def tables(report: dict) -> list:
+    from rich.table import Table
+
+    out: list = []
+    for axis, spec in report["axes"].items():
+        names, rows = axis_rows(report, axis)
+        base = spec["baseline"]
+        table = Table(title=f"tessera bench matrix: {spec['title']} ({report['deployment']})")
+        table.add_column("metric")
+        for name in names:
+            table.add_column(name, justify="right")
+        for name in names[1:]:
+            table.add_column(f"{name} / {base}", justify="right")
+        for label, values, fmt in rows:
+            cells = ["-" if v is None else format(v, fmt) for v in values]
+            ratios = [ratio(v, values[0]) for v in values[1:]]
+            table.add_row(label, *cells, *("-" if r is None else f"{r:.2f}x" for r in ratios))
+        out.append(table)
+        if axis == "integrity":
+            off, on = (report["runs"][spec["variants"][n]]["peak_output_throughput"] for n in ("off", "on"))
+            out.append(f"integrity check overhead at peak: {100 * (1 - on / off):+.1f}% of output tok/s")
+    out.append(
+        f"input {report['input_len']} tokens, output {report['output_len']}, {report['requests_per_client']} "
+        f"requests per client per level; kv_budget_bytes {report['kv_budget_bytes']} per worker "
+        f"({report['mode']}, dtype {report['dtype']}); worker ${report['worker_usd_per_hour']}/h; original config restored: "
+        f"{report['restored_config'] == report['original_config']}"
+    )
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Output tok/s against concurrency, one panel per axis, one line per variant, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise BenchError(
+            "--plot needs matplotlib: pip install -e '.[train]' (or pip install matplotlib)"
+        ) from e
+    axes = report["axes"]
+    figure, panels = plt.subplots(1, len(axes), figsize=(4.5 * len(axes), 4), squeeze=False)
+    for panel, spec in zip(panels[0], axes.values(), strict=True):
+        for name, i in spec["variants"].items():
+            levels = report["runs"][i]["levels"]
+            panel.plot([lv["concurrency"] for lv in levels], [lv["output_throughput"] for lv in levels],
+                       marker="o", label=name)  # fmt: skip
+        panel.set_title(spec["title"])
+        panel.set_xlabel("concurrent requests")
+        panel.set_ylabel("output tokens/s")
+        panel.grid(alpha=0.3)
+        panel.legend()
+    figure.suptitle(f"{report['deployment']}: {report['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,200 @@
+"""``tessera bench matrix``: its arithmetic (held concurrency, cost per million tokens, what counts as
+queueing, which runs the axes share), and a small run against a real ``tessera up``: every configuration was
+served by workers reporting it, token counts are the server's and the ledger's, the config is restored."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from tessera.bench.matrix import (
+    AXES,
+    MatrixSpec,
+    cost_per_million,
+    held_concurrency,
+    plan,
+    queued,
+)
+from tessera.launcher import DEFAULT_MODEL
+
+
+def level(concurrency: int, held: bool) -> dict:
+    return {"concurrency": concurrency, "held": held}
+
+
+def test_held_concurrency_is_the_highest_level_with_every_lower_level_held():
+    assert held_concurrency([level(1, True), level(8, True), level(16, False), level(32, False)]) == 8
+    assert held_concurrency([level(32, True), level(1, True), level(8, True)]) == 32  # any order
+    # A level held above one that was not does not count: the deployment ran out below it.
+    assert held_concurrency([level(1, True), level(8, False), level(16, True)]) == 1
+    assert held_concurrency([level(1, False), level(8, True)]) is None
+
+
+def test_cost_per_million_output_tokens_from_worker_seconds():
+    # 2 workers at $3.60/h for 10 s: $0.02 for 4,000 tokens -> $5 per million.
+    assert cost_per_million(3.6, 2, 10.0, 4000) == pytest.approx(5.0)
+    # Twice the tokens in the same worker-seconds halve it; no tokens, no figure.
+    assert cost_per_million(3.6, 2, 10.0, 8000) == pytest.approx(2.5)
+    assert cost_per_million(3.6, 2, 10.0, 0) is None
+
+
+def worker(waiting: int, used: int, total: int = 100, running: int = 4) -> dict:
+    return {"waiting": waiting, "kv_pages_used": used, "kv_pages_total": total, "running": running}
+
+
+def test_queued_means_waiting_for_pages_or_a_batch_slot_not_for_the_next_step():
+    assert not queued(worker(0, 100), pages_needed=9, max_num_seqs=64)
+    assert not queued(worker(2, 50), pages_needed=9, max_num_seqs=64)  # room: admitted next step
+    assert queued(worker(1, 95), pages_needed=9, max_num_seqs=64)  # 5 free pages, a prompt needs 9
+    assert queued(worker(1, 10, running=64), pages_needed=9, max_num_seqs=64)  # every slot taken
+
+
+def test_axes_share_runs_and_the_served_config_goes_first():
+    original = {
+        "dtype": "auto",
+        "kv_budget_bytes": 2**20,
+        "decode_kv": "fp8_e4m3",
+        "prefill_weights": "bf16",
+        "decode_weights": "bf16",
+        "integrity_check": True,
+        "prefix_cache": True,
+    }
+    spec = MatrixSpec("u", "a", "k", "m", ["kv", "integrity", "prefix"], [1], 16, 4)
+    runs, of = plan(spec, original)
+    # kv=fp8_e4m3 and integrity=on are the deployment as it is (one run, first); prefix has its own load.
+    assert of[("kv", "fp8_e4m3")] == of[("integrity", "on")] == 0
+    assert runs[0].config == original and not runs[0].shared_prefix
+    assert len(runs) == 5  # served, bf16 KV, integrity off, prefix on and off under the shared prompt
+    assert runs[of[("prefix", "on")]].shared_prefix and runs[of[("prefix", "on")]].config == original
+    # A fixed budget applies to every run, so none is the served config any more.
+    runs, _ = plan(MatrixSpec("u", "a", "k", "m", ["kv"], [1], 16, 4, kv_budget_bytes=3 * 2**20), original)
+    assert {r.config["kv_budget_bytes"] for r in runs} == {3 * 2**20}
+    assert [r.config["decode_kv"] for r in runs] == ["bf16", "fp8_e4m3"]
+
+
+def test_mode_axis_is_refused_with_the_reason():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", "http://127.0.0.1:9"]
+    command += ["--admin-key", "a", "--api-key", "k", "--model", DEFAULT_MODEL, "--axes", "kv,mode"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "a worker refuses a pool its deployment's mode does not have" in done.stderr
+    done = subprocess.run([*command[:-1], "kv,speed"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--axes takes a comma-separated subset" in done.stderr
+
+
+# --- against tessera up ----------------------------------------------------------------------------------------
+
+BUDGET = 3 * 2**20
+CONCURRENCY = (1, 3)
+PER_CLIENT = 2
+OUTPUT_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    from test_launcher import assert_all_stopped, start_up, stop_up
+
+    up = start_up(tmp_path_factory.mktemp("matrix"))
+    yield up
+    assert stop_up(up, signal.SIGTERM) == 0, up.output
+    assert_all_stopped(up)
+
+
+def admin_get(up, path: str, **params) -> dict:
+    headers = {"Authorization": f"Bearer {up.key}"}
+    response = httpx.get(f"{up.url}{path}", headers=headers, params=params, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def ledger_usage(up) -> dict:
+    rows = admin_get(up, "/v1/usage", group_by="model")["data"]
+    return next((r for r in rows if r["model"] == DEFAULT_MODEL), {"requests": 0, "output_tokens": 0})
+
+
+@pytest.mark.slow
+def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores_the_config(up, tmp_path):
+    fields = ("dtype", "kv_budget_bytes", "decode_kv", "integrity_check", "prefix_cache", "decode_weights")
+    original = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
+    out = tmp_path / "matrix.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", up.url]
+    command += ["--admin-key", up.key, "--api-key", up.key, "--model", DEFAULT_MODEL]
+    command += ["--axes", "kv,integrity", "--concurrency", ",".join(map(str, CONCURRENCY))]
+    command += [
+        "--input-len",
+        "40",
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--requests-per-client",
+        str(PER_CLIENT),
+    ]
+    command += ["--kv-budget-bytes", str(BUDGET), "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{up.output}"
+    assert "decode KV format" in done.stdout and "KV integrity check" in done.stdout
+    report = json.loads(out.read_text())
+
+    # Each (axis, variant) ran on workers that reported serving exactly its config, before and after its load.
+    for axis in ("kv", "integrity"):
+        for variant in AXES[axis].variants:
+            run = report["runs"][report["axes"][axis]["variants"][variant.name]]
+            config = run["config"]
+            assert {k: config[k] for k in variant.changes} == variant.changes
+            assert config["kv_budget_bytes"] == BUDGET
+            for served in (run["served"], run["served_after"]):
+                assert served["decode"]["kv_formats"] == [config["decode_kv"]]
+                for pool in ("prefill", "decode"):
+                    assert served[pool]["live_workers"] == 1
+                    assert served[pool]["integrity_check"] == [config["integrity_check"]]
+                    assert served[pool]["config_versions"] == [run["config_version"]]
+    pages = {
+        run["config"]["decode_kv"]: run["served"]["decode"]["kv_pages_total"][0] for run in report["runs"]
+    }
+    assert pages["fp8_e4m3"] > 1.9 * pages["bf16"]  # one budget: FP8 pages are half the bytes
+
+    # Every level: all sent requests accounted for, exactly output_len tokens each, ordered percentiles.
+    for run in report["runs"]:
+        assert [lv["concurrency"] for lv in run["levels"]] == list(CONCURRENCY)
+        for lv in run["levels"]:
+            failed = sum(lv["failures"].values())
+            assert lv["requests"] == lv["concurrency"] * PER_CLIENT == lv["completed"] + failed
+            assert failed == 0, lv["failures"]
+            assert lv["output_tokens"] == lv["completed"] * OUTPUT_LEN
+            for metric in ("ttft_ms", "e2el_ms"):
+                assert lv[metric]["p50"] <= lv[metric]["p95"] <= lv[metric]["p99"]
+            assert lv["heartbeats_seen"] >= 1
+        assert run["held_concurrency"] in (None, *CONCURRENCY)
+        assert run["peak_output_throughput"] == max(lv["output_throughput"] for lv in run["levels"])
+        assert run["cost_per_mtok_usd"] > 0
+
+    # The client's token counts are the server's usage, and the ledger holds the same.
+    totals = report["totals"]
+    assert totals["completed"] == totals["requests"]
+    deadline = time.monotonic() + 60
+    while (ledger := ledger_usage(up))["output_tokens"] < totals[
+        "output_tokens"
+    ] and time.monotonic() < deadline:
+        time.sleep(1)
+    assert ledger["requests"] == totals["requests"]
+    assert ledger["output_tokens"] == totals["output_tokens"]
+    assert ledger["input_tokens"] == totals["prompt_tokens"]
+
+    # The deployment is back on its original config, and its workers serve it.
+    restored = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
+    assert {k: restored[k] for k in fields} == {k: original[k] for k in fields}
+    assert report["restored_config"] == report["original_config"]
+    decode = next(
+        p
+        for p in admin_get(up, "/admin/pools")["data"]
+        if p["deployment"] == DEFAULT_MODEL and p["pool"] == "decode"
+    )
+    assert decode["kv_formats"] == [original["decode_kv"]]
+    assert all(not w["draining"] for w in decode["workers"])
