@@ -487,12 +487,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from tessera.bench.serve import Workload, run_serve
 
     if not 0 <= args.shared_prefix_len <= args.input_len:
-        raise CliError(f"--shared-prefix-len must be between 0 and --input-len ({args.input_len})")
+        raise CliError(f"--shared-prefix-len must be between 0 and --input-len ({args.input_len})", 2)
     if args.vocab <= 10:
-        raise CliError("--vocab must be above 10 (ids below 10 are left out as likely special tokens)")
+        raise CliError("--vocab must be above 10 (ids below 10 are left out as likely special tokens)", 2)
     if len(args.api_key) < args.tenants:
         raise CliError(
-            f"--tenants {args.tenants} needs that many --api-key (one per tenant); got {len(args.api_key)}"
+            f"--tenants {args.tenants} needs that many --api-key (one per tenant); got {len(args.api_key)}", 2
         )
     workload = Workload(
         model=args.model,

@@ -57,6 +57,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="requests served at once (default: the deployment's max_num_seqs)",
     )
     worker.add_argument("--worker-id", metavar="ID", help="a stable id (default: host and pid)")
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="P",
+        help="serve Prometheus meters on this port (default: TESSERA_WORKER_METRICS_PORT, else 0 = off)",
+    )
     worker.set_defaults(func=cmd_worker)
 
 
@@ -89,6 +95,8 @@ def cmd_worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     settings = get_settings()
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be a TCP port (0-65535; 0 = off), got {args.metrics_port}", 2)
     if not settings.redis_url:
         raise ValueError(
             "TESSERA_REDIS_URL is not set: a worker needs the Redis the API uses (redis://HOST:PORT/0)"
@@ -117,4 +125,5 @@ def cmd_worker(args: argparse.Namespace) -> None:
         settings.derive_key("prefix-cache"),
         worker_id=args.worker_id,
         threads=args.threads or spec.max_num_seqs,
+        metrics_port=settings.worker_metrics_port if args.metrics_port is None else args.metrics_port,
     )
