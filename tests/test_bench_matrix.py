@@ -76,6 +76,16 @@ def test_axes_share_runs_and_the_served_config_goes_first():
     runs, _ = plan(MatrixSpec("u", "a", "k", "m", ["kv"], [1], 16, 4, kv_budget_bytes=3 * 2**20), original)
     assert {r.config["kv_budget_bytes"] for r in runs} == {3 * 2**20}
     assert [r.config["decode_kv"] for r in runs] == ["bf16", "fp8_e4m3"]
+    # Runs of one config under two workloads follow each other: one reload for both.
+    budget = MatrixSpec("u", "a", "k", "m", ["kv", "prefix"], [1], 16, 4, kv_budget_bytes=3 * 2**20)
+    runs, _ = plan(budget, original)
+    shape = [(r.config["decode_kv"], r.config["prefix_cache"], r.shared_prefix) for r in runs]
+    assert shape == [
+        ("bf16", True, False),
+        ("fp8_e4m3", True, False),
+        ("fp8_e4m3", True, True),
+        ("fp8_e4m3", False, True),
+    ]
 
 
 def test_mode_axis_is_refused_with_the_reason():

@@ -418,9 +418,16 @@ def plan(spec: MatrixSpec, original: dict) -> tuple[list[Run], dict[tuple[str, s
                 runs.append(run)
             runs[i].prefill_probe |= axis.prefill_probe
             of[(name, variant.name)] = i
-    # The run the deployment already serves goes first: it needs no reload.
+    # The config the deployment already serves goes first (no reload), and runs of one config (two
+    # workloads) follow each other (one reload).
     current = {k: original[k] for k in CONFIG_FIELDS}
-    order = sorted(range(len(runs)), key=lambda i: runs[i].config != current)
+    first = {}
+    for i, run in enumerate(runs):
+        first.setdefault(tuple(sorted(run.config.items())), i)
+    order = sorted(
+        range(len(runs)),
+        key=lambda i: (runs[i].config != current, first[tuple(sorted(runs[i].config.items()))]),
+    )
     renumber = {old: new for new, old in enumerate(order)}
     return [runs[i] for i in order], {k: renumber[i] for k, i in of.items()}
 
