@@ -66,9 +66,14 @@ class UsageEvent(BaseModel):
 
 
 def price_row(event: UsageEvent, book: PriceBook) -> dict[str, Any]:
-    """The ledger row for ``event``, priced from ``book`` (see billing.prices for the rounding rule)."""
+    """The ledger row for ``event``, priced from ``book`` (see billing.prices for the rounding rule).
+
+    A request that failed before producing a token bills no tokens: the tenant got nothing and saw no usage
+    (its quotas are released in full too); the row still records that it happened."""
+    billed = event.status != "failed" or event.output_tokens > 0
+    cached_tokens, fresh_tokens = (event.cached_tokens, event.fresh_tokens) if billed else (0, 0)
     price, cached, fresh, output = book.cost(
-        event.model, event.started_at, event.cached_tokens, event.fresh_tokens, event.output_tokens
+        event.model, event.started_at, cached_tokens, fresh_tokens, event.output_tokens
     )
     finished: datetime = event.finished_at
     return {
@@ -79,8 +84,8 @@ def price_row(event: UsageEvent, book: PriceBook) -> dict[str, Any]:
         "model": event.model,
         "status": event.status,
         "error_code": event.error_code,
-        "cached_input_tokens": event.cached_tokens,
-        "fresh_input_tokens": event.fresh_tokens,
+        "cached_input_tokens": cached_tokens,
+        "fresh_input_tokens": fresh_tokens,
         "output_tokens": event.output_tokens,
         "price_id": price.id if price else None,
         "cached_input_cost": cached,

@@ -268,6 +268,25 @@ def test_a_replayed_long_prompt_pays_the_cached_rate_for_its_cached_part(session
     assert_charged_once(sessions, [first, replay])
 
 
+def test_a_request_that_failed_before_its_first_token_bills_no_tokens(sessions, caller):
+    failed = outcome(
+        caller, 0, request_id="failed", status="failed", error_code="worker_lost", output_tokens=0
+    )
+    late = outcome(caller, 1, request_id="late", status="failed", error_code="worker_lost", output_tokens=3)
+    gone = outcome(caller, 2, request_id="gone", status="cancelled", output_tokens=0)
+    with sessions() as session:
+        rows = {
+            r["request_id"]: r
+            for r in billing.record_events(session, [event(failed), event(late), event(gone)])
+        }
+    assert (rows["failed"]["cached_input_tokens"], rows["failed"]["fresh_input_tokens"]) == (0, 0)
+    assert rows["failed"]["cost"] == 0 and rows["failed"]["status"] == "failed"  # recorded, not billed
+    assert rows["late"]["fresh_input_tokens"] == late.fresh_tokens and rows["late"]["cost"] == expected_cost(
+        late
+    )
+    assert rows["gone"]["cost"] == expected_cost(gone) > 0  # a cancel the client made pays for its prompt
+
+
 # --- the ledger ------------------------------------------------------------------------------------------
 
 
