@@ -416,16 +416,37 @@ def test_an_admin_sets_a_tenants_quotas_and_the_api_reflects_them(context, serve
     sign_in(page, server.keys["admin"], "/signin?next=/admin")
     wait_ready(page)
     page.get_by_role("button", name="Manage acme").click()
-    page.get_by_label("Requests per sliding minute").fill("600")
-    page.get_by_label("Tokens per UTC day").fill("2000000")
-    page.get_by_role("button", name="Save quotas").click()
+    form = page.locator("#quotas-form")
+    form.get_by_label("Requests per sliding minute").fill("600")
+    form.get_by_label("Tokens per UTC day").fill("2000000")
+    form.get_by_role("button", name="Save quotas").click()
     page.get_by_role("status").filter(has_text="Saved the quotas of acme").wait_for()
     quotas = server.api("/admin/tenants/acme/quotas", key="admin").json()
     assert quotas["rpm"] == 600 and quotas["daily_tokens"] == 2_000_000 and quotas["tpm"] is None
-    page.get_by_label("Requests per sliding minute").fill("-1")
-    page.get_by_role("button", name="Save quotas").click()
+    form.get_by_label("Requests per sliding minute").fill("-1")
+    form.get_by_role("button", name="Save quotas").click()
     assert page.evaluate("document.getElementById('q-rpm').validity.valid") is False  # the form says so first
     assert server.api("/admin/tenants/acme/quotas", key="admin").json()["rpm"] == 600
+
+
+def test_an_admin_overrides_one_keys_quota_and_the_tenants_limit_shows_through(context, server):
+    page = context.new_page()
+    sign_in(page, server.keys["admin"], "/signin?next=/admin")
+    wait_ready(page)
+    page.get_by_role("button", name="Manage acme").click()
+    prefix = "tsk_" + server.keys["acme"].split("_")[1]
+    page.get_by_role("button", name=f"Quotas of {prefix}").click()
+    form = page.locator("#key-quotas-form")
+    form.wait_for(state="visible")
+    form.get_by_label("Requests in flight").fill("3")
+    form.get_by_role("button", name="Save key quotas").click()
+    page.get_by_role("status").filter(has_text=f"Saved the quotas of {prefix}").wait_for()
+    quota = server.api(f"/admin/keys/{prefix.removeprefix('tsk_')}/quotas", key="admin").json()
+    assert quota["override"]["concurrency"] == 3 and quota["effective"]["concurrency"] == 3
+    tenant_rpm = server.api("/admin/tenants/acme/quotas", key="admin").json()["rpm"]
+    assert quota["override"]["rpm"] is None and quota["effective"]["rpm"] == tenant_rpm
+    expected = "unlimited" if tenant_rpm is None else str(tenant_rpm)
+    assert form.get_by_label("Requests per sliding minute").get_attribute("placeholder") == expected
 
 
 def test_sign_in_works_from_the_keyboard_alone(context, server):

@@ -12,6 +12,7 @@ const FIELDS = [
 ];
 // The quota fields the server rendered from the API's schema (admin_schemas.Quotas).
 const QUOTAS = [...document.querySelectorAll("#quotas-form input")].map((input) => input.name);
+let quotaKey = null;
 const deployments = new Map();
 let tenantsCursor = null;
 let editing = null;
@@ -243,6 +244,7 @@ async function openTenant(name) {
   panel.hidden = true; // shown once filled in, so nothing typed is overwritten by the load
   document.getElementById("tenant-panel-name").textContent = name;
   document.getElementById("secret").hidden = true;
+  document.getElementById("key-quotas-form").hidden = true;
   for (const id of ["quotas-error", "keys-error"]) document.getElementById(id).hidden = true;
   const [quotas] = await Promise.all([api("GET", `/admin/tenants/${encodeURIComponent(name)}/quotas`), loadKeys()]);
   loadedQuotas = quotas;
@@ -256,6 +258,10 @@ async function loadKeys() {
   document.querySelector("#keys tbody").replaceChildren(
     ...keys.data.map((k) => {
       const td = cell("");
+      td.className = "actions";
+      const limits = button("Quotas", () => openKeyQuotas(k).catch((e) => showError(document.getElementById("keys-error"), e)));
+      limits.setAttribute("aria-label", `Quotas of ${k.prefix}`);
+      td.append(limits);
       if (!k.revoked_at) {
         const revoke = button("Revoke", () => revokeKey(k), "danger");
         revoke.setAttribute("aria-label", `Revoke ${k.prefix}`);
@@ -264,6 +270,43 @@ async function loadKeys() {
       return row(cell(k.prefix), cell(k.name), cell(k.scopes.join(", ")), cell(when(k.created_at)), cell(when(k.revoked_at)), td);
     }),
   );
+}
+
+function showKeyQuotas(quota) {
+  for (const field of QUOTAS) {
+    const input = document.getElementById(`kq-${field}`);
+    input.value = quota.override?.[field] ?? "";
+    const inherited = quota.effective[field];
+    input.placeholder = inherited === null || inherited === undefined ? "unlimited" : String(inherited);
+  }
+}
+
+async function openKeyQuotas(key) {
+  const form = document.getElementById("key-quotas-form");
+  form.hidden = true; // shown once filled in
+  quotaKey = key;
+  showKeyQuotas(await api("GET", `/admin/keys/${encodeURIComponent(key.id)}/quotas`));
+  document.getElementById("key-quotas-name").textContent = key.prefix;
+  document.getElementById("key-quotas-error").hidden = true;
+  form.hidden = false;
+}
+
+async function saveKeyQuotas(event) {
+  event.preventDefault();
+  const body = {};
+  for (const field of QUOTAS) {
+    const value = document.getElementById(`kq-${field}`).value;
+    body[field] = value === "" ? null : Number(value);
+  }
+  const error = document.getElementById("key-quotas-error");
+  try {
+    showKeyQuotas(await api("PUT", `/admin/keys/${encodeURIComponent(quotaKey.id)}/quotas`, body));
+    error.hidden = true;
+    status.textContent = `Saved the quotas of ${quotaKey.prefix}.`;
+    refreshAuditLog();
+  } catch (e) {
+    showError(error, e);
+  }
 }
 
 async function revokeKey(key) {
@@ -337,6 +380,10 @@ document.getElementById("tenant-create").addEventListener("submit", createTenant
 document.getElementById("tenants-more").addEventListener("click", () => loadTenants(tenantsCursor));
 document.getElementById("quotas-form").addEventListener("submit", saveQuotas);
 document.getElementById("key-create").addEventListener("submit", createKey);
+document.getElementById("key-quotas-form").addEventListener("submit", saveKeyQuotas);
+document.getElementById("key-quotas-close").addEventListener("click", () => {
+  document.getElementById("key-quotas-form").hidden = true;
+});
 document.getElementById("audit-type").addEventListener("change", refreshAuditLog);
 document.getElementById("audit-more").addEventListener("click", () => loadAuditLog(auditCursor));
 document.getElementById("secret-done").addEventListener("click", () => {
