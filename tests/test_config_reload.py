@@ -22,8 +22,6 @@ from test_launcher import assert_all_stopped, read_line, start_up, stop_up
 
 from gpu_workers.protocol import WorkerInfo, workers_key
 
-pytestmark = pytest.mark.slow
-
 RELOAD_TIMEOUT_S = 180.0
 
 
@@ -121,6 +119,7 @@ def decode_generated(up) -> dict[str, int]:
     return {i.worker_id: i.generated_tokens for i in infos if not i.draining}
 
 
+@pytest.mark.slow
 def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_request(up):
     # `tessera up` made the deployment (version 1) with FP8 decode KV; start from bf16, integrity on. With
     # the CLI, which does not know the embedded Redis: `tessera up` announces what it finds in the database.
@@ -168,6 +167,7 @@ def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_reques
 REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+@pytest.mark.slow
 def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queue_is_served(
     tmp_path, demo_model_dir
 ):
@@ -248,3 +248,37 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
     finally:
         supervisor.stop()
         client.delete(workers_key(name, "serve"), config_key(name))
+
+
+def test_each_committed_change_is_announced_with_its_audit_count_and_a_no_op_update_announces_again(
+    tmp_path, demo_model_dir
+):
+    from tessera import db, tenancy
+
+    from gpu_workers.protocol import DeploymentSpec, config_key
+
+    client = redis.Redis.from_url(REDIS_URL)
+    database_url = f"sqlite:///{tmp_path / 'tessera.db'}"
+    db.upgrade(database_url)
+    sessions = db.session_factory(db.make_engine(database_url))
+    name = f"@test/announce-{os.getpid()}-{int(time.time() * 1000) % 10**6}"
+
+    def announced() -> tuple[int, DeploymentSpec]:
+        version, spec = client.hmget(config_key(name), "version", "spec")
+        return int(version), DeploymentSpec.from_json(spec)
+
+    try:
+        with sessions() as session:
+            config = {"name": name, "checkpoint": str(demo_model_dir)}
+            created = tenancy.create_deployment(session, config, actor="test", redis=client)
+            assert announced() == (1, created.to_spec())
+            tenancy.update_deployment(session, name, {"decode_kv": "bf16"}, actor="test", redis=client)
+            tenancy.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
+            version, spec = announced()
+            assert version == len(tenancy.deployment_audit(session, name)) == 3
+            assert (spec.decode_kv, spec.page_size) == ("bf16", 32)
+            client.delete(config_key(name))  # as if the announcement had been lost
+            tenancy.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
+            assert announced() == (3, spec)  # nothing changed, nothing audited: announced again
+    finally:
+        client.delete(config_key(name))
