@@ -82,6 +82,10 @@ def test_the_wheel_carries_the_model_and_the_migrations_and_stays_small(dist):
     versions = sorted(p.name for p in (ROOT / "migrations" / "versions").glob("*.py"))
     assert versions and all(f"tessera/_migrations/versions/{v}" in sizes for v in versions)
     assert not any("__pycache__" in name for name in sizes)
+    # The web UI ships (its vendored chart library included); axe-core is for the browser tests only.
+    assert "tessera/_web/templates/dashboard.html" in sizes
+    assert "tessera/_web/static/vendor/chart.js/chart.umd.min.js" in sizes
+    assert not any("axe" in name for name in sizes)
     # The model is the only large file: everything else together is under 2 MB.
     weights = sizes["tessera/_models/pycode-tiny/model.safetensors"]
     assert (
@@ -155,6 +159,7 @@ def test_a_wheel_install_outside_the_checkout_migrates_serves_the_trained_model_
             (MODEL / "config.json").read_text()
         )
         assert httpx.get(f"{up.url}/readyz").status_code == 200
+        assert httpx.get(f"{up.url}/signin").status_code == 200  # the UI's templates came with the wheel
         reply = completion(up, timeout=120)
         assert reply.status_code == 200, reply.text
         body = reply.json()
