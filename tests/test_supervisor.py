@@ -140,3 +140,28 @@ def test_reload_exits_that_keep_coming_right_after_start_fall_back_to_backoff(tm
     out = supervisor.out.getvalue()
     assert out.count("restarted it at once") == 2  # the third quick reload in a row is a failure
     assert f"exited with code {EXIT_RELOAD}" in str(gave_up.value)
+
+
+def test_a_successor_that_fails_beside_its_predecessor_makes_the_predecessor_drain_first(tmp_path):
+    supervisor = Supervisor(io.StringIO(), backoff_s=0.05, settle_s=30, max_quick_failures=5)
+    # The first run serves until SIGTERM (then "drains" and exits 0); every later run fails at once, as a
+    # second engine that does not fit on the device would.
+    code = (
+        "import pathlib, signal, sys, time; marker = pathlib.Path(sys.argv[1])\n"
+        "if marker.exists(): sys.exit(1)\n"
+        "marker.touch(); signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(120)"
+    )
+    command = [PY, "-c", code, str(tmp_path / "first-run")]
+    old = supervisor.spawn("decode worker", command, None, tmp_path / "decode.log")
+    try:
+        tend_until(supervisor, lambda: (tmp_path / "first-run").exists())
+        successor = supervisor.replace(old)
+        assert old.retiring and successor.predecessor is old
+        tend_until(supervisor, lambda: old not in supervisor.children)
+        out = supervisor.out.getvalue()
+        assert f"the decode worker (pid {old.process.pid}) it was to replace drains first instead" in out
+        assert old.process.returncode == 0  # it was asked to stop (and drain), not killed
+        assert f"the decode worker (pid {old.process.pid}) it replaced exited with code 0" in out
+        assert supervisor.children == [successor]  # restarted with backoff, to start once the room is free
+    finally:
+        supervisor.stop()

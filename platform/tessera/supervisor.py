@@ -107,6 +107,7 @@ class Child:
     quick_reloads: int = 0  # reload exits in a row that came soon after a start
     restart_at: float | None = None  # set while it waits out its backoff
     retiring: bool = False  # a successor took its place: when it exits, it is not restarted
+    predecessor: Child | None = None  # the retiring child this one was started to replace
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
@@ -157,7 +158,7 @@ class Supervisor:
         """Start a successor of ``child`` (its command, env and log) now; ``child`` keeps running until it
         exits on its own (a worker drains once its successor is live) and is then not restarted."""
         child.retiring = True
-        successor = Child(child.name, child.command, child.env, child.log_path)
+        successor = Child(child.name, child.command, child.env, child.log_path, predecessor=child)
         successor.start()
         self.children.append(successor)
         self._say(
@@ -188,6 +189,11 @@ class Supervisor:
     def _exited(self, child: Child, code: int, now: float) -> None:
         signal_group(child.process, signal.SIGKILL)  # what it forked must not outlive it
         ran_s = now - child.started_at
+        old, child.predecessor = child.predecessor, None
+        if code != EXIT_RELOAD and any(c is old for c in self.children) and old.process.poll() is None:
+            # It may not fit beside the one it replaces (a device holds one engine): let that one drain first.
+            signal_group(old.process, signal.SIGTERM)
+            self._say(f"the {child.name} (pid {old.process.pid}) it was to replace drains first instead")
         if code == EXIT_RELOAD:
             child.quick_reloads = child.quick_reloads + 1 if ran_s < self.settle_s else 0
             if child.quick_reloads < self.max_quick_failures:
