@@ -25,9 +25,10 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -565,6 +566,7 @@ class Matrix:
         current = self.admin.deployment(self.spec.deployment)
         expected = {"serve"} if current["mode"] == "colocated" else {"prefill", "decode"}
         if {k: current[k] for k in CONFIG_FIELDS} != wanted:
+            print(f"restoring the original config of {self.spec.deployment}", file=sys.stderr)
             self.apply(wanted, expected)
         self.restored = {k: self.admin.deployment(self.spec.deployment)[k] for k in CONFIG_FIELDS}
 
@@ -587,26 +589,41 @@ def _noop() -> None:
     pass
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (``timeout``, a supervisor) unwinds like Ctrl-C, so the original config is still restored."""
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None = None,
                plot_path: Path | None = None) -> dict:  # fmt: skip
     """Every run in turn, the original config restored at the end; prints the report and returns it."""
     if "mode" in spec.axes:
         raise BenchError(MODE_UNSUPPORTED)
     matrix = Matrix(spec)
-    try:
-        original = matrix.admin.deployment(spec.deployment)
-        runs, of = plan(spec, original)
-        total = len(runs) * sum(c * spec.requests_per_client for c in spec.concurrency) + sum(
-            spec.prefill_requests for r in runs if r.prefill_probe
-        )
+    with _sigterm_interrupts():
         try:
-            with progress(total) as tick:
-                for run in runs:
-                    run.report = matrix.measure(run, tick)
+            original = matrix.admin.deployment(spec.deployment)
+            runs, of = plan(spec, original)
+            total = len(runs) * sum(c * spec.requests_per_client for c in spec.concurrency) + sum(
+                spec.prefill_requests for r in runs if r.prefill_probe
+            )
+            try:
+                with progress(total) as tick:
+                    for run in runs:
+                        run.report = matrix.measure(run, tick)
+            finally:
+                matrix.restore(original)
         finally:
-            matrix.restore(original)
-    finally:
-        matrix.admin.close()
+            matrix.admin.close()
     ok = [o for o in matrix.all_outcomes if o.status == "ok"]
     report = {
         "url": spec.url,
