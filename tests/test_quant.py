@@ -20,7 +20,7 @@ from gpu_workers.formats.weights import (
     quantize_int4,
     unpack_int4,
 )
-from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference
+from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_cpu, int4_linear_reference
 from gpu_workers.model import load_model
 from gpu_workers.quant.config import QuantConfig
 from gpu_workers.quant.linear import Fp8Linear, Int4Linear, _identity
@@ -93,7 +93,8 @@ def test_cpu_packed_int4_kernel_computes_our_dequantised_weights(rows, cols, gro
     reference = torch.nn.functional.linear(
         x.double(), dense.double(), None if layer.bias is None else layer.bias.double()
     )
-    out = layer(x)
+    # torch's kernel over fp32 activations: exact weights, so only the summation order differs.
+    out = int4_linear_cpu(x, layer.cpu_pack(torch.float32), layer.bias)
     assert out.shape == (3, 5, rows) and out.dtype == torch.float32
     # Only the summation order differs from float64 over the same weights: a wrong group, zero or nibble
     # mapping would be off by a whole quantisation step.
@@ -112,6 +113,22 @@ def test_cpu_packed_int4_in_bf16_matches_the_bf16_reference():
     out = layer(x)
     assert out.dtype == torch.bfloat16
     assert (out.float() - reference).abs().max() < 2**-6 * reference.abs().max()
+
+
+def test_fp32_compute_runs_large_int4_layers_on_the_kernel_and_small_ones_dequantised_once():
+    large, small = int4_layer(1024, 1024, 128, False, True), int4_layer(64, 256, 128, False, True)
+    for layer in (large, small):
+        x = torch.randn(2, layer.in_features)
+        args = (layer.weight_packed, layer.weight_scale, layer.weight_zero, 128, layer.bias)
+        reference = int4_linear_reference(x, *args)
+        out = layer(x)
+        assert out.dtype == torch.float32
+        if layer is small:
+            assert torch.allclose(out, reference, rtol=1e-5, atol=1e-6)
+            assert layer._cpu_pack._key is None and layer._dense._key is not None
+        else:  # bf16 activations: their rounding, 2^-9, not the format's 4% error
+            assert (out - reference).norm() < 2**-7 * reference.norm()
+            assert layer._cpu_pack._key[0] == torch.bfloat16 and layer._dense._key is None
 
 
 def test_int4_layers_the_cpu_kernel_cannot_take_run_the_reference():

@@ -23,6 +23,12 @@ from gpu_workers.kernels import kernel_mode, use_triton
 # in these dtypes. Any other layer runs the reference.
 INT4_CPU_GROUP_SIZES = (32, 64, 128, 256)
 INT4_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Measured on this project's 2-core CPU (torch 2.13): the kernel is fast with bf16 activations only (fp32
+# ones run 30-70x slower than bf16), and a call costs ~0.1 ms whatever its size. So fp32 compute sends a
+# layer of at least this many weights through it with bf16 activations (4096x4096, one row: 5 ms against
+# 17 ms for the fp32 matmul), and dequantises a smaller layer once, where 4 bytes a weight are little and
+# the fp32 matmul is 4x faster than the kernel's fixed cost.
+INT4_CPU_KERNEL_MIN_WEIGHTS = 1 << 20
 
 
 def fp8_linear_reference(
@@ -125,13 +131,14 @@ def prepack_int4_cpu(
 
 
 def int4_linear_cpu(x: torch.Tensor, pack: Int4CpuPack, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ W.T + bias through torch's packed int4 CPU kernel."""
-    rows = x.reshape(-1, x.shape[-1])
+    """x [..., in] @ W.T + bias through torch's packed int4 CPU kernel, in the pack's activation dtype (x is
+    cast to it and the result back to x's dtype)."""
+    rows = x.reshape(-1, x.shape[-1]).to(pack.scales_and_offsets.dtype)
     padding = pack.scales_and_offsets.shape[0] * pack.group_size - pack.in_features
     if padding:
         rows = F.pad(rows, (0, padding))
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         rows.contiguous(), pack.weight, pack.group_size, pack.scales_and_offsets
     )
-    out = out.view(*x.shape[:-1], out.shape[-1])
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias

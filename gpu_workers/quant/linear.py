@@ -3,8 +3,9 @@
 Their tensors are buffers named as in the checkpoint (``<module>.weight_packed`` ...), so the loader fills
 them by name. ``load_dense`` quantises an unquantised weight into them: quantising at load time.
 
-On CPU the first forward prepares the weights once for the activations' dtype (int4: torch's packed int4
-layout; fp8: dequantised, as CPU torch has no fast fp8 matmul) and reuses them until a buffer changes.
+On CPU the first forward prepares the weights once for the activations' dtype and reuses them until a
+buffer changes: int4 in torch's packed int4 layout (fp32 compute: large layers with bf16 activations, small
+ones dequantised, see ``kernels.quant_linear``); fp8 dequantised, as CPU torch has no fast fp8 matmul.
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_workers.formats.weights import SCALE_DTYPE, dequantize_fp8_weight, quantize_fp8_weight, quantize_int4
+from gpu_workers.formats.weights import (
+    SCALE_DTYPE,
+    dequantize_fp8_weight,
+    dequantize_int4,
+    quantize_fp8_weight,
+    quantize_int4,
+)
 from gpu_workers.kernels.quant_linear import (
+    INT4_CPU_KERNEL_MIN_WEIGHTS,
     Int4CpuPack,
     fp8_linear,
     int4_cpu_supported,
@@ -80,6 +88,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight_zero", torch.empty(out_features, groups, dtype=SCALE_DTYPE))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
         self._cpu_pack = _Prepared()
+        self._dense = _Prepared()
 
     def load_dense(self, weight: torch.Tensor) -> None:
         q = quantize_int4(weight.to(self.weight_packed.device), self.group_size, self.symmetric)
@@ -88,13 +97,28 @@ class Int4Linear(nn.Module):
         if q.weight_zero is not None:
             self.weight_zero.copy_(q.weight_zero)
         self._cpu_pack.clear()
+        self._dense.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_cpu_weights(x) and int4_cpu_supported(self.out_features, self.group_size, x.dtype):
-            return int4_linear_cpu(x, self.cpu_pack(x.dtype), self.bias)
+        if use_cpu_weights(x):
+            dtype = self._cpu_activations(x.dtype)
+            if dtype is not None:
+                return int4_linear_cpu(x, self.cpu_pack(dtype), self.bias)
+            if x.dtype == torch.float32:
+                key = (x.dtype, *_identity(self.weight_packed, self.weight_scale, self.weight_zero))
+                args = (self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, x.dtype)
+                return F.linear(x, self._dense.get(key, lambda: dequantize_int4(*args)), self.bias)
         return int4_linear(
             x, self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, self.bias
         )
+
+    def _cpu_activations(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The activation dtype this layer runs torch's int4 kernel in for ``dtype`` compute, or None."""
+        if dtype == torch.float32:
+            if self.in_features * self.out_features < INT4_CPU_KERNEL_MIN_WEIGHTS:
+                return None
+            dtype = torch.bfloat16
+        return dtype if int4_cpu_supported(self.out_features, self.group_size, dtype) else None
 
     def cpu_pack(self, dtype: torch.dtype) -> Int4CpuPack:
         """This weight in torch's CPU int4 layout for activations in ``dtype``, packed once."""
