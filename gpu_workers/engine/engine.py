@@ -102,6 +102,7 @@ class Engine:
         model = load_model(
             path, dtype=config.torch_dtype, device=config.device, progress=progress, weights=config.weights
         )
+        model.fuse_projections()
         return cls(model, load_tokenizer(path), config)
 
     # -- requests -------------------------------------------------------------------------------

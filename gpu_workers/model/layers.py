@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder architectures: RMSNorm and the SwiGLU feed-forward."""
+"""Building blocks shared by the decoder architectures: RMSNorm, the SwiGLU feed-forward, and fusing
+linears that read the same input into one matmul."""
 
 from __future__ import annotations
 
@@ -16,19 +17,49 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, same math
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
+def concat_linears(linears: list[nn.Module]) -> nn.Linear | None:
+    """One ``nn.Linear`` whose output is the given linears' outputs side by side, or None when they are not
+    all plain ``nn.Linear`` (quantised layers keep their own kernels) or their biases differ in kind."""
+    if not all(type(m) is nn.Linear for m in linears) or len({m.bias is None for m in linears}) != 1:
+        return None
+    weight = torch.cat([m.weight for m in linears])
+    # On the meta device: no memory is initialised for a weight about to be overwritten.
+    fused = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta", dtype=weight.dtype
+    )
+    fused = fused.to_empty(device=weight.device).requires_grad_(False)
+    fused.weight.data.copy_(weight)
+    if fused.bias is not None:
+        fused.bias.data.copy_(torch.cat([m.bias for m in linears]))
+    return fused
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); ``fuse`` makes gate and up one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one linear with both weights (after the checkpoint loaded)."""
+        fused = concat_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

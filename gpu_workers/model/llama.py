@@ -14,7 +14,7 @@ from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.kv import KVSpec
-from gpu_workers.model.layers import MLP, RMSNorm
+from gpu_workers.model.layers import MLP, RMSNorm, concat_linears
 from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -33,7 +33,10 @@ class AttentionBackend(Protocol):
 
 
 class Attention(nn.Module):
-    """Project to q/k/v, rotate q and k by position, attend through the paged cache, project back."""
+    """Project to q/k/v, rotate q and k by position, attend through the paged cache, project back.
+
+    ``fuse`` makes the q, k and v projections one matmul once the checkpoint is loaded.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -48,21 +51,39 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj: nn.Linear | None = None
+        self.qkv_sizes = [q_size, kv_size, kv_size]
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None and self.q_norm is None:
+            # q and k sit side by side in the fused output: rotate them in one go.
+            qkv = self.qkv_proj(x)
+            qk = qkv[:, : (heads + kv_heads) * self.head_dim].view(tokens, heads + kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
+            v = qkv[:, (heads + kv_heads) * self.head_dim :].view(tokens, kv_heads, self.head_dim)
+        else:
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.view(tokens, heads, self.head_dim)
+            k = k.view(tokens, kv_heads, self.head_dim)
+            v = v.view(tokens, kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attn(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+    def fuse(self) -> None:
+        fused = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +150,13 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn)
+
+    def fuse_projections(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections into one matmul each, for serving. Module
+        names then differ from the checkpoint's, so this runs after loading; quantised layers stay apart."""
+        for module in self.modules():
+            if isinstance(module, Attention | MLP):
+                module.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of the hidden states [N, hidden] the caller picked (e.g. last tokens)."""
