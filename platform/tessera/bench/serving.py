@@ -121,15 +121,17 @@ def _measure(
 
     stack = psutil.Process(stack_pid)
 
-    def stack_cpu_s() -> float:
-        total = 0.0
+    def stack_cpu_s() -> dict[str, float]:
+        """CPU seconds so far per part of the stack: api, prefill, decode, supervisor."""
+        parts: dict[str, float] = {}
         for process in [stack, *stack.children(recursive=True)]:
             try:
-                times = process.cpu_times()
+                times, cmdline = process.cpu_times(), process.cmdline()
             except psutil.NoSuchProcess:
                 continue
-            total += times.user + times.system
-        return total
+            part = next((p for p in ("prefill", "decode", "api") if p in cmdline), "supervisor")
+            parts[part] = parts.get(part, 0.0) + times.user + times.system
+        return parts
 
     def offline(n: int) -> tuple[float, float]:
         start, cpu = time.perf_counter(), time.process_time()
@@ -155,15 +157,21 @@ def _measure(
                     tokens = chunk.usage.completion_tokens
             return tokens
 
-        start, cpu = time.perf_counter(), stack_cpu_s()
+        start, before = time.perf_counter(), stack_cpu_s()
         tokens = sum(await asyncio.gather(*(one() for _ in range(n))))
         elapsed = time.perf_counter() - start
-        used = stack_cpu_s() - cpu
+        after = stack_cpu_s()
         await client.close()
-        return tokens / elapsed, tokens / used
+        for part, cpu_s in after.items():
+            cpu_ms_per_token.setdefault(f"{part}_{n}", []).append(
+                1000 * (cpu_s - before.get(part, 0.0)) / tokens
+            )
+        return tokens / elapsed, tokens / (sum(after.values()) - sum(before.values()))
 
+    cpu_ms_per_token: dict[str, list[float]] = {}
     offline(2)  # warm-up: one-off costs on both sides
     asyncio.run(api(2))
+    cpu_ms_per_token.clear()
     names = [f"{side}_{n}" for side in ("api", "offline") for n in (concurrency, 1)]
     sides: dict[str, list[float]] = {name: [] for name in names}
     per_cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -199,6 +207,7 @@ def _measure(
         "api_vs_offline": ratios(sides),
         "tok_per_cpu_s": {name: spread(values) for name, values in per_cpu.items()},
         "api_vs_offline_per_cpu_s": ratios(per_cpu),
+        "stack_cpu_ms_per_token": {name: spread(values) for name, values in sorted(cpu_ms_per_token.items())},
     }
 
 
@@ -220,3 +229,7 @@ def _print(report: dict) -> None:
                 format_spread(values[f"offline_{n}"], ".0f"),
             )
             print(f"{n:>8}{api:>24}{offline:>24}{format_ratio(ratios[str(n)]):>24}")
+    parts = ", ".join(
+        f"{name} {format_spread(value, '.2f')}" for name, value in report["stack_cpu_ms_per_token"].items()
+    )
+    print(f"stack CPU ms per output token (part_streams): {parts}")
