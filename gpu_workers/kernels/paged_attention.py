@@ -95,26 +95,24 @@ def paged_attention_reference(
 
     GQA: query head h reads KV head ``h // (heads // kv_heads)``. Returns [T, heads, dim] in q's dtype.
     FP8 slots (uint8 bits) come with ``k_scale``/``v_scale``, the per-page scales [pages] of this layer.
-    Decode rows attend in one call over their gathered pages (whole pages: one copy per page, not per
-    slot); each prefill row attends over its own pages, unpadded.
+    Decode rows attend in one call per length group over their gathered pages (whole pages: one copy per
+    page, not per slot); each prefill row attends over its own pages, unpadded.
     """
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k_slots.shape[1]
+    heads, kv_heads, head_dim = q.shape[1], k_slots.shape[1], q.shape[2]
+    gqa = heads != kv_heads
     page_size = meta.page_size
     decode = meta.decode
-    if decode is not None:
-        tables = decode.block_tables
+    for group in (decode.groups or [decode]) if decode is not None else []:
+        tables = group.block_tables
         k = _gather_pages(k_slots, tables, k_scale, page_size, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         v = _gather_pages(v_slots, tables, v_scale, page_size, q.dtype).transpose(1, 2)
+        # The query heads sharing a KV head act as that head's query rows: GQA without repeating K/V.
+        rows = q[group.rows].view(-1, kv_heads, heads // kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
-            q[decode.rows][:, :, None],
-            k,
-            v,
-            attn_mask=decode.mask(page_size, sliding_window),
-            scale=scale,
-            enable_gqa=gqa,
+            rows, k, v, attn_mask=group.mask(page_size, sliding_window), scale=scale
         )
-        out[decode.rows] = o[:, :, 0]
+        out[group.rows] = o.reshape(-1, heads, head_dim)
     for row in meta.prefill:
         ctx, n = row.context_len, row.end - row.start
         k = _gather_pages(k_slots, row.pages[None], k_scale, page_size, q.dtype)[:, :ctx].transpose(1, 2)

@@ -17,6 +17,10 @@ import torch
 from gpu_workers.kernels.paged_attention import paged_attention
 from gpu_workers.kv.cache import KVCache, WriteSpans
 
+# Decode rows gathered together are padded to the longest; rows sorted by length and split into a few
+# groups of at least this many pad far less, for one more attention call per group.
+DECODE_GROUPS, MIN_GROUP_ROWS = 4, 8
+
 
 @dataclass
 class DecodeRows:
@@ -25,7 +29,24 @@ class DecodeRows:
     rows: torch.Tensor  # [B] flat token index of each decode row
     block_tables: torch.Tensor  # [B, P] page ids, padded with the row's last page
     seq_lens: torch.Tensor  # [B] tokens each row attends to (its own included)
+    groups: list[DecodeRows] = field(default_factory=list)  # rows of similar length, each padded apart
     _masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, rows: torch.Tensor, tables: torch.Tensor, lens: list[int], page_size: int) -> DecodeRows:
+        """Decode rows with their tables cut to their longest row; grouped by length when there are many."""
+        seq_lens = torch.tensor(lens, dtype=torch.long, device=rows.device)
+        whole = cls(rows, tables[:, : -(-max(lens) // page_size)], seq_lens)
+        num_groups = min(DECODE_GROUPS, len(lens) // MIN_GROUP_ROWS)
+        if num_groups > 1:
+            order = sorted(range(len(lens)), key=lens.__getitem__)
+            size = -(-len(order) // num_groups)
+            for start in range(0, len(order), size):
+                members = order[start : start + size]
+                index = torch.tensor(members, dtype=torch.long, device=rows.device)
+                width = -(-lens[members[-1]] // page_size)
+                whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
+        return whole
 
     def mask(self, page_size: int, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, 1, P * page_size] bool: which gathered positions each row attends to; built once per step."""
@@ -98,8 +119,8 @@ class AttentionMetadata:
         decode = None
         if decode_rows:
             index = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            lens = ctx[index]
-            decode = DecodeRows(starts[index], tables[index, : -(-max(lens.tolist()) // page_size)], lens)
+            lens = [context_lens[i] for i in decode_rows]
+            decode = DecodeRows.build(starts[index], tables[index], lens, page_size)
         offsets = starts.tolist()
         prefill = [
             PrefillRow(

@@ -1,0 +1,78 @@
+"""Per-step attention metadata (tensor ops, no per-token Python) and the attention it drives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_workers.formats.fp8 import quantize_fp8
+from gpu_workers.kernels.paged_attention import paged_attention_reference, paged_decode_attention_reference
+from gpu_workers.kv import AttentionMetadata
+
+PAGE = 4
+
+
+def scattered_tables(context_lens: list[int], seed: int = 0) -> tuple[list[list[int]], int]:
+    pages = sum(-(-c // PAGE) for c in context_lens)
+    free = list(range(pages))
+    random.Random(seed).shuffle(free)
+    return [[free.pop() for _ in range(-(-c // PAGE))] for c in context_lens], pages
+
+
+def test_slots_and_spans_are_those_of_every_new_token():
+    context, query = [9, 3, 14, 1], [1, 3, 5, 1]
+    tables, _ = scattered_tables(context)
+    meta = AttentionMetadata.build(tables, context, query, PAGE)
+    expected = [
+        table[p // PAGE] * PAGE + p % PAGE
+        for table, c, q in zip(tables, context, query, strict=True)
+        for p in range(c - q, c)
+    ]
+    assert meta.slot_mapping.tolist() == expected
+    assert meta.spans.token_seq.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert meta.spans.prev_page.tolist() == [tables[0][1], -1, tables[2][2], -1]
+    assert [(r.start, r.end, r.context_len) for r in meta.prefill] == [(1, 4, 3), (4, 9, 14)]
+    assert meta.decode.rows.tolist() == [0, 9] and meta.decode.seq_lens.tolist() == [9, 1]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_many_decode_rows_grouped_by_length_attend_as_the_decode_reference(window, kv):
+    rng = random.Random(1)
+    context = [rng.randint(1, 60) for _ in range(40)]
+    tables, pages = scattered_tables(context)
+    meta = AttentionMetadata.build(tables, context, [1] * len(context), PAGE)
+    assert len(meta.decode.groups) > 1  # padded per group, not to the longest row
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(pages * PAGE, 2, 16, generator=gen), torch.randn(pages * PAGE, 2, 16, generator=gen)
+    scales = (None, None)
+    if kv == "fp8":
+        scales = (torch.rand(pages, generator=gen) + 0.1, torch.rand(pages, generator=gen) + 0.1)
+        k, v = (
+            quantize_fp8(x, s.repeat_interleave(PAGE)[:, None, None])
+            for x, s in zip((k, v), scales, strict=True)
+        )
+    q = torch.randn(len(context), 4, 16, generator=gen)
+    got = paged_attention_reference(q, k, v, meta, 0.25, window, *scales)
+    tables_t = torch.tensor([t + [t[-1]] * (15 - len(t)) for t in tables])
+    want = paged_decode_attention_reference(
+        q, k, v, tables_t, torch.tensor(context), PAGE, 0.25, window, *scales
+    )
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_prefill_chunk_after_cached_pages_attends_causally_over_the_whole_context():
+    context, query = [13], [5]
+    tables, pages = scattered_tables(context)
+    meta = AttentionMetadata.build(tables, context, query, PAGE)
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(pages * PAGE, 2, 16, generator=gen), torch.randn(pages * PAGE, 2, 16, generator=gen)
+    q = torch.randn(5, 4, 16, generator=gen)
+    got = paged_attention_reference(q, k, v, meta, 0.25)
+    slots = torch.tensor([tables[0][p // PAGE] * PAGE + p % PAGE for p in range(13)])
+    keys, values = k[slots].repeat_interleave(2, dim=1), v[slots].repeat_interleave(2, dim=1)
+    for i, pos in enumerate(range(8, 13)):
+        probs = (torch.einsum("hd,lhd->hl", q[i], keys[: pos + 1]) * 0.25).softmax(-1)
+        assert torch.allclose(got[i], torch.einsum("hl,lhd->hd", probs, values[: pos + 1]), atol=1e-5)
