@@ -126,3 +126,22 @@ def test_bench_weights_reports_decode_speed_per_format_beside_quality(demo_model
     assert all(s["median"] > 0 for s in speed["tok_s"].values())
     assert set(speed["vs_checkpoint"]) == set(speed["tok_s"]) - {"checkpoint"}
     assert speed["batch"] == 2 and speed["max_tokens"] == 4 and speed["dtype"] in ("float32", "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["weights", "--model", "m", "--decode-tokens", "-1"], "--decode-tokens must be 0 or more"),
+        (["weights", "--model", "m", "--rounds", "0"], "--rounds needs positive"),
+        (["serving", "--concurrency", "0"], "--concurrency needs positive"),
+        (["serving", "--threads", "0"], "--threads needs a positive"),
+    ],
+)
+def test_bench_weights_and_serving_refuse_bad_counts_with_exit_2(argv, message):
+    from tessera.cli import build_parser
+    from tessera.cli.common import CliError
+
+    args = build_parser().parse_args(["bench", *argv])
+    with pytest.raises(CliError, match=message) as error:
+        args.func(args)
+    assert error.value.exit_code == 2
