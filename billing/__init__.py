@@ -2,8 +2,9 @@
 
 The ledger API: ``BillingConsumer`` charges the request-outcome stream into the ledger (its own consumer
 group; exactly-once charging over at-least-once delivery), ``record_events`` writes priced events and their
-rollups in one transaction, ``usage_report`` / ``list_events`` read them back per tenant, and the price book
-(``set_price``, ``list_prices``, ``PriceBook``) holds versioned prices in integer micro-USD per million tokens.
+rollups in one transaction, ``usage_report`` / ``list_events`` read them back per tenant, ``quality_report``
+reads latency percentiles, outcomes and 429s by limit (``billing.quality``), and the price book (``set_price``,
+``list_prices``, ``PriceBook``) holds versioned prices in integer micro-USD per million tokens.
 Invoices (``get_invoice``, ``list_invoices``) bill each event on the period its insert decided, drafts until
 the grace window ends, then final; ``reconcile`` proves ledger = rollups = invoices.
 
@@ -39,8 +40,22 @@ from billing.prices import (
     set_price,
     usd,
 )
+from billing.quality import Quality, flush_rejections, quality_report, rejection_field, rejections_key
 from billing.rollups import BadCursor, UsageLine, list_events, usage_report
-from billing.schema import NO_KEY, Invoice, InvoiceLine, InvoiceSum, LedgerEvent, Price, Rollup, metadata
+from billing.schema import (
+    NO_KEY,
+    Invoice,
+    InvoiceLine,
+    InvoiceSum,
+    LatencyBucket,
+    LedgerEvent,
+    OutcomeCount,
+    Price,
+    RejectionCount,
+    RejectionFlush,
+    Rollup,
+    metadata,
+)
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -57,19 +72,25 @@ __all__ = [
     "InvoiceSum",
     "InvoiceSummary",
     "InvoiceView",
+    "LatencyBucket",
     "LedgerEvent",
     "Line",
     "Mismatch",
+    "OutcomeCount",
     "Price",
     "PriceBook",
     "PriceSpec",
+    "Quality",
     "Reconciliation",
+    "RejectionCount",
+    "RejectionFlush",
     "Rollup",
     "UsageEvent",
     "UsageLine",
     "amount",
     "billing_dead_letters",
     "finalize",
+    "flush_rejections",
     "get_invoice",
     "list_events",
     "list_invoices",
@@ -77,8 +98,11 @@ __all__ = [
     "metadata",
     "parse_period",
     "price_row",
+    "quality_report",
     "reconcile",
     "record_events",
+    "rejection_field",
+    "rejections_key",
     "seed_defaults",
     "set_price",
     "usage_report",

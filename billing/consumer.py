@@ -7,6 +7,7 @@ its ledger rows and rollups commits, and the ledger is idempotent on the request
 not acknowledged (the consumer died between the two) is seen again harmlessly. A consumer killed before its
 commit leaves nothing in the database; its delivered entries are claimed (XAUTOCLAIM) by any consumer once
 idle for ``claim_idle_s``. An entry that can never be charged (malformed) moves to ``<stream>:billing-dead``.
+Every ``flush_s`` it also moves the gateway's 429 counters into the database (``billing.quality``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from redis.exceptions import ResponseError
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from billing import metrics
+from billing import metrics, quality
 from billing.invoices import DEFAULT_GRACE
 from billing.ledger import UsageEvent, record_events
 
@@ -57,6 +58,7 @@ class BillingConsumer:
         batch: int = 1000,  # entries per read and per ledger transaction (tessera bench usage: 200 vs 1000)
         block_s: float = 1.0,
         grace: timedelta = DEFAULT_GRACE,
+        flush_s: float = 1.0,
     ):
         self.redis = redis
         self.sessions = sessions
@@ -67,6 +69,8 @@ class BillingConsumer:
         self.batch = batch
         self.block_s = block_s
         self.grace = grace  # how long a month's invoice stays open after it (billing.invoices)
+        self.flush_s = flush_s  # how often the gateway's 429 counters move into the database
+        self.rejections = quality.rejections_key(stream)
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.charged = 0  # ledger rows this consumer inserted
         self._stop = threading.Event()
@@ -86,7 +90,7 @@ class BillingConsumer:
         failures = 0
         group_ready = False
         own_pending = True
-        next_claim = 0.0
+        next_claim = next_flush = 0.0
         while not self._stop.is_set():
             try:
                 if not group_ready:
@@ -95,6 +99,9 @@ class BillingConsumer:
                 if time.monotonic() >= next_claim:
                     self._claim_abandoned()
                     next_claim = time.monotonic() + self.claim_idle_s
+                if time.monotonic() >= next_flush:
+                    quality.flush_rejections(self.redis, self.sessions, self.rejections)
+                    next_flush = time.monotonic() + self.flush_s
                 entries = self._read("0" if own_pending else ">")
                 if entries:
                     self._charge(entries)
@@ -119,6 +126,7 @@ class BillingConsumer:
             while entries := self._read(last_id, block=False):
                 total += len(entries)
                 self._charge(entries)
+        quality.flush_rejections(self.redis, self.sessions, self.rejections)
         return total
 
     def _create_group(self) -> None:

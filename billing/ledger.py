@@ -4,8 +4,9 @@ transaction.
 ``record_events`` first gives each row the invoice period it is billed on (``billing.invoices.
 assign_invoice_periods``, which share-locks those invoices until the commit), inserts with ``INSERT ... ON
 CONFLICT (request_id) DO NOTHING RETURNING request_id`` (SQLite and PostgreSQL alike), adds only the rows it
-really inserted to ``billing_rollups`` (per tenant, day, model, key) and ``billing_invoice_sums`` (per
-tenant, invoice period, usage period, model, price version) with ``INSERT ... ON CONFLICT DO UPDATE SET x = x +
+really inserted to ``billing_rollups`` (per tenant, day, model, key), ``billing_invoice_sums`` (per
+tenant, invoice period, usage period, model, price version) and the quality counts (``billing.quality``:
+latency buckets and outcomes per tenant, day, model, key) with ``INSERT ... ON CONFLICT DO UPDATE SET x = x +
 excluded.x``, and commits once: an event seen again (duplicate emission, redelivery, a consumer restarted
 after the commit but before its XACK) changes nothing, and the ledger, the rollups and the invoices can
 never disagree.
@@ -24,6 +25,7 @@ from sqlalchemy import Table, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from billing import quality
 from billing.invoices import DEFAULT_GRACE, assign_invoice_periods
 from billing.prices import PriceBook
 from billing.schema import NO_KEY, NO_PRICE, InvoiceSum, LedgerEvent, Rollup, utcnow
@@ -199,6 +201,7 @@ def record_events(
             new = [row for request_id, row in rows.items() if request_id in inserted]
             _add_sums(session, Rollup.__table__, ROLLUP_KEYS, ROLLUP_SUMS, new, _rollup_key)
             _add_sums(session, InvoiceSum.__table__, INVOICE_KEYS, INVOICE_SUMS, new, _invoice_key)
+        quality.add_ledger_rows(session, new)
         session.commit()
     except BaseException:
         session.rollback()

@@ -198,3 +198,62 @@ class InvoiceLine(BillingBase):
     quantity: Mapped[int] = mapped_column(BigInteger)  # tokens
     unit_price_per_mtok: Mapped[int] = mapped_column(BigInteger)  # micro-USD per 1e6 tokens
     amount: Mapped[int] = mapped_column(BigInteger)  # micro-USD: the sum of the requests' rounded amounts
+
+
+# --- quality: latency histograms, outcomes and 429s per (tenant, day, model, key); see billing.quality ---
+
+
+class LatencyBucket(BillingBase):
+    """Requests whose ``metric`` ("ttft": time to first token, "tpot": time per output token after the
+    first) fell in histogram bucket ``bucket`` (billing.quality.BOUNDS), kept in the ledger insert's
+    transaction like the rollups."""
+
+    __tablename__ = "billing_latency"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    day: Mapped[date] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)  # NO_KEY for keyless usage
+    metric: Mapped[str] = mapped_column(String(8), primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    requests: Mapped[int] = mapped_column(BigInteger)
+
+
+NO_ERROR = ""  # error_code of requests that ended without one, in outcome counts (a primary-key column)
+
+
+class OutcomeCount(BillingBase):
+    """Ended requests per how they ended (status, error code), kept in the ledger insert's transaction."""
+
+    __tablename__ = "billing_outcomes"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    day: Mapped[date] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), primary_key=True)
+    error_code: Mapped[str] = mapped_column(String(64), primary_key=True)  # NO_ERROR for none
+    requests: Mapped[int] = mapped_column(BigInteger)
+
+
+class RejectionCount(BillingBase):
+    """Requests the gateway refused with 429, per the limit that refused them (never reach the ledger)."""
+
+    __tablename__ = "billing_rejections"
+
+    tenant_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    day: Mapped[date] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    limit_name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+
+
+class RejectionFlush(BillingBase):
+    """One batch of 429 counters moved from Redis into ``billing_rejections``, by its token: committed with
+    the counts, so a batch taken again after a crash is recognised and not added twice."""
+
+    __tablename__ = "billing_rejection_flushes"
+
+    token: Mapped[str] = mapped_column(String(32), primary_key=True)
+    flushed_at: Mapped[datetime] = mapped_column(default=utcnow)

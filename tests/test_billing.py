@@ -86,7 +86,15 @@ def url(migrated_url):
     yield migrated_url
     engine = db.make_engine(migrated_url)
     with engine.begin() as conn:
-        for table in (billing.InvoiceLine, billing.InvoiceSum, billing.Invoice, LedgerEvent, Rollup):
+        for table in (
+            billing.InvoiceLine,
+            billing.InvoiceSum,
+            billing.Invoice,
+            LedgerEvent,
+            Rollup,
+            billing.LatencyBucket,
+            billing.OutcomeCount,
+        ):
             conn.execute(table.__table__.delete())
         conn.execute(billing.Price.__table__.delete().where(billing.Price.version > 1))
     engine.dispose()
@@ -185,8 +193,10 @@ def assert_charged_once(sessions, outcomes: list[RequestOutcome]) -> None:
                 func.sum(Rollup.cost),
             )
         ).one()
+        outcomes = session.scalar(select(func.sum(billing.OutcomeCount.requests)))
     assert tuple(ledger) == tuple(rollups)
     assert ledger[4] == sum(expected_cost(o) for o in distinct.values())
+    assert outcomes == ledger[0]  # the quality counts move with the ledger too
 
 
 def pending(client, stream) -> int:

@@ -201,6 +201,9 @@ class Gateway:
             ) from None
         if reservation is None:
             metrics.RATE_LIMITED.labels(limit=decision.limit or "unknown").inc()
+            await self.recorder.reject(
+                caller.tenant_id, caller.key_id, spec.name, decision.limit or "unknown"
+            )
             raise APIError(429, decision.message(), decision.code, headers=decision.headers())
         held = Held(self.quotas, reservation)
         streamed = False  # a stream settles when it ends; everything else settles here
@@ -216,7 +219,12 @@ class Gateway:
             except RedisError as e:
                 log.error("could not read worker heartbeats for request %s: %s", rid, e)
                 raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
-            await self._check_capacity(route, reject_if_busy)
+            try:
+                await self._check_capacity(route, reject_if_busy)
+            except APIError as e:
+                if e.status == 429:  # busy, and the request asked to be rejected when busy
+                    await self.recorder.reject(caller.tenant_id, caller.key_id, spec.name, "capacity")
+                raise
             deadline = time.time() + self.settings.request_timeout_s
             task = GenerateTask(
                 request_id=rid,

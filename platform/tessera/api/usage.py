@@ -1,9 +1,11 @@
-"""Usage for the caller's tenant: ``GET /v1/usage`` (from billing's rollups) and ``GET /v1/usage/requests``
+"""Usage for the caller's tenant: ``GET /v1/usage`` (from billing's rollups), ``GET /v1/usage/quality``
+(latency percentiles, outcomes and 429s by limit, from billing's quality counts) and ``GET /v1/usage/requests``
 (raw ledger events). Every list is cursor-paginated; no route shows another tenant's data (the tenant is the
 caller key's, never a parameter). Money is integer micro-USD (``cost``) plus the same as an exact decimal
 string of USD (``cost_usd``).
 
-``admin_router``: the same across tenants for admin keys, ``GET /admin/usage`` and ``/admin/usage/requests``
+``admin_router``: the same across tenants for admin keys, ``GET /admin/usage``, ``/admin/usage/quality`` and
+``/admin/usage/requests``
 (every tenant's, or one's with ``?tenant=NAME``)."""
 
 from __future__ import annotations
@@ -97,6 +99,43 @@ class UsageEventPage(BaseModel):
     next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
 
 
+class Latency(BaseModel):
+    samples: int = Field(description="requests measured")
+    p50_s: float | None = Field(description="median in seconds, interpolated in its bucket; null: no samples")
+    p95_s: float | None = Field(description="95th percentile in seconds, interpolated in its bucket")
+
+
+class QualityStats(BaseModel):
+    requests: int = Field(description="requests that ended (completed, failed or cancelled)")
+    by_status: dict[str, int] = Field(description="ended requests by status")
+    errors: dict[str, int] = Field(description="ended requests with an error code, by code")
+    rejected: int = Field(description="requests refused with 429")
+    rejected_by_limit: dict[str, int] = Field(
+        description="429s by the limit that refused them: rpm, tpm, concurrency, daily_tokens, "
+        "monthly_tokens, monthly_spend, or capacity (a busy model asked to reject)"
+    )
+    ttft: Latency = Field(description="time to first token")
+    tpot: Latency = Field(description="time per output token after the first (requests of 2+ tokens)")
+
+
+class QualityDay(QualityStats):
+    day: date
+
+
+class QualityReport(BaseModel):
+    object: Literal["usage.quality"] = "usage.quality"
+    start: date
+    end: date
+    model: str | None
+    key_id: str | None
+    total: QualityStats
+    data: list[QualityDay] = Field(description="per UTC day that has any request, in day order")
+    buckets_s: list[float] = Field(
+        description="the latency histogram's bucket bounds in seconds (log-spaced, 1 ms to 100 s): a "
+        "percentile is interpolated linearly inside its bucket, so it is exact to within one bucket"
+    )
+
+
 def _range(start: date | None, end: date | None) -> tuple[date, date]:
     today = datetime.now(timezone.utc).date()
     end = end or today
@@ -187,6 +226,64 @@ def _usage(
         headers = {"x-next-cursor": next_cursor} if next_cursor else {}
         return Response(out.getvalue(), media_type="text/csv", headers=headers)
     return UsagePage(group_by=group_by, start=start, end=end, data=rows, next_cursor=next_cursor)
+
+
+@router.get("/v1/usage/quality", response_model=QualityReport)
+def get_usage_quality(
+    request: Request,
+    caller: CurrentCaller,
+    start: Start = None,
+    end: End = None,
+    model: str | None = None,
+    key: Annotated[str | None, Query(description="only this API key's requests (its id)")] = None,
+) -> QualityReport:
+    """The caller's tenant's latency p50/p95 (time to first token, per output token), requests by status,
+    errors by code and 429s by limit, per day and in total, from the quality counts (never the ledger)."""
+    return _quality(request, caller.tenant_id, start, end, model, key)
+
+
+def _quality(
+    request: Request,
+    tenant_id: str | None,
+    start: date | None,
+    end: date | None,
+    model: str | None,
+    key: str | None,
+) -> QualityReport:
+    start, end = _range(start, end)
+    with request.app.state.sessions() as session:
+        days, total = billing.quality_report(
+            session, tenant_id, start=start, end=end, model=model, key_id=key
+        )
+    return QualityReport(
+        start=start,
+        end=end,
+        model=model,
+        key_id=key,
+        total=_stats(QualityStats, total),
+        data=[_stats(QualityDay, quality, day=day) for day, quality in days.items()],
+        buckets_s=list(billing.quality.BOUNDS),
+    )
+
+
+def _stats(model: type[QualityStats], quality: billing.Quality, **extra: Any) -> Any:
+    latency = {
+        metric: Latency(
+            samples=quality.samples(metric),
+            p50_s=quality.percentile(metric, 0.5),
+            p95_s=quality.percentile(metric, 0.95),
+        )
+        for metric in billing.quality.METRICS
+    }
+    return model(
+        **extra,
+        requests=sum(quality.by_status.values()),
+        by_status=quality.by_status,
+        errors=quality.errors,
+        rejected=sum(quality.rejected.values()),
+        rejected_by_limit=quality.rejected,
+        **latency,
+    )
 
 
 @router.get("/v1/usage/requests", response_model=UsageEventPage)
@@ -293,6 +390,19 @@ def admin_get_usage(
     """Usage per day, model or key of every tenant together (or of ``tenant``), summed from the rollups."""
     tenant_id = _tenant_id(request, tenant)
     return _usage(request, tenant_id, start, end, group_by, model, key, cursor, limit, format)
+
+
+@admin_router.get("/usage/quality", response_model=QualityReport)
+def admin_get_usage_quality(
+    request: Request,
+    tenant: TenantFilter = None,
+    start: Start = None,
+    end: End = None,
+    model: str | None = None,
+    key: Annotated[str | None, Query(description="only this API key's requests (its id)")] = None,
+) -> QualityReport:
+    """Latency percentiles, outcomes and 429s by limit of every tenant together (or of ``tenant``)."""
+    return _quality(request, _tenant_id(request, tenant), start, end, model, key)
 
 
 @admin_router.get("/usage/requests", response_model=AdminUsageEventPage)

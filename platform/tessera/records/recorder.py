@@ -1,4 +1,5 @@
-"""The gateway's side of the outcome stream: one XADD per finished request, off the request's path."""
+"""The gateway's side of the outcome stream: one XADD per finished request, off the request's path; and one
+HINCRBY per request refused with 429, on the counters billing moves into the database (``billing.quality``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+import billing
+from tessera.models import utcnow
 from tessera.records.outcome import RequestOutcome
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,15 @@ class Recorder:
                     )
                     return
                 await asyncio.sleep(delay)
+
+    async def reject(self, tenant_id: str, key_id: str | None, model: str, limit: str) -> None:
+        """Count a request refused with 429 by ``limit``: one counter per (tenant, day, model, key, limit),
+        never a row per request. A Redis error loses the count, not the 429 (the refusal already happened)."""
+        field = billing.rejection_field(tenant_id, utcnow().date(), model, key_id, limit)
+        try:
+            await self.redis.hincrby(billing.rejections_key(self.stream), field, 1)
+        except RedisError as exc:
+            log.warning("could not count a 429 (%s) of tenant %s: %s", limit, tenant_id, exc)
 
     async def close(self) -> None:
         """Wait for the outcomes still being added."""
