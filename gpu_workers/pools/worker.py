@@ -153,6 +153,7 @@ def run_worker(
             prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
             prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
             generated_tokens=stats["generated_tokens"],
+            preemptions=stats["preemptions"],
             config_version=watch.version,
             integrity_check=spec.integrity_check,
             config_stale=stale.is_set(),
@@ -230,8 +231,9 @@ def run_worker(
         heartbeat.stop(leave=successor_first or not reloading)
         exporter.stop()
         engine.stop()
-    if reloading:
+    if reloading or stale.is_set():  # stopped while stale: its supervisor let it drain before a successor
         runner.requeue_worker_queue(worker_id)  # what was queued for it while it drained: its successor's
+    if reloading:
         log.info("worker %s drained; exits with %d to restart on the new config", worker_id, EXIT_RELOAD)
         raise SystemExit(EXIT_RELOAD)
     if engine.failed is not None:
