@@ -35,6 +35,10 @@ HEARTBEAT_TTL_S = 10.0  # a worker not seen for this long is dead to the router
 STREAM_TTL_S = 600  # token streams expire after this, read or not
 HANDOFF_TTL_S = 120  # KV hand-off blobs expire if no decode worker imports them
 STREAM_FIELD = "event"  # each stream entry holds one Event as JSON under this field
+EXIT_RELOAD = 75  # a worker exits with this to be restarted at once: its deployment's config changed
+# Set (to 1) by a supervisor that starts a successor for each worker reporting ``config_stale``: such a worker
+# keeps serving until its successor is live, and only then drains.
+SUCCESSOR_FIRST_ENV = "TESSERA_WORKER_SUCCESSOR_FIRST"
 
 
 def pool_queue(deployment: str, pool: str) -> str:
@@ -60,6 +64,12 @@ def handoff_key(request_id: str) -> str:
 def workers_key(deployment: str, pool: str) -> str:
     """Redis hash: worker id -> WorkerInfo JSON, refreshed every heartbeat."""
     return f"tessera:workers:{deployment}:{pool}"
+
+
+def config_key(deployment: str) -> str:
+    """Redis hash: ``version`` and ``spec`` (DeploymentSpec JSON) of the deployment's committed config, set
+    by the control plane after each change; a worker serving another spec drains and reloads."""
+    return f"tessera:config:{deployment}"
 
 
 class MessageError(ValueError):
@@ -185,6 +195,11 @@ class WorkerInfo(Message):
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     generated_tokens: int = 0
+    preemptions: int = 0  # sequences the engine preempted (out of KV pages) since it started
+    config_version: int | None = None  # the announced config version it serves (None: none announced)
+    integrity_check: bool | None = None
+    config_stale: bool = False  # its deployment's config changed: it drains and reloads (see pools.worker)
+    draining: bool = False  # finishing its requests before a reload; its own queue goes to its successor
 
 
 @dataclass
@@ -194,7 +209,7 @@ class DeploymentSpec(Message):
     name: str  # the model id tenants call, e.g. "@tessera/demo"
     checkpoint: str  # checkpoint folder on the worker host
     mode: str = "disaggregated"  # disaggregated | colocated
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 on CUDA and on CPUs where bf16 is fast, else fp32
     prefill_kv: str = "auto"  # KV format the prefill pool computes in
     decode_kv: str = "fp8_e4m3"  # KV format the decode pool stores (the hand-off converts)
     prefill_weights: str = "bf16"

@@ -573,7 +573,10 @@ def announce_config(session: Session, deployment: Deployment, redis: Redis | Non
 
         url = get_settings().redis_url
         if not url:
-            log.warning("TESSERA_REDIS_URL is not set: running workers keep the old config until restarted")
+            log.warning(
+                "TESSERA_REDIS_URL is not set: running workers learn of the change from `tessera up` (which "
+                "watches the database) or when they restart"
+            )
             return version
         redis = connect_redis(url)
     try:

@@ -383,6 +383,7 @@ async def _pool_status(
                 running=w.running,
                 waiting=w.waiting,
                 integrity_mismatches=w.integrity_mismatches,
+                preemptions=w.preemptions,
                 config_version=w.config_version,
                 integrity_check=w.integrity_check,
                 draining=w.draining,

@@ -251,6 +251,9 @@ class WorkerStatus(BaseModel):
     running: int
     waiting: int
     integrity_mismatches: int
+    preemptions: int = Field(
+        description="sequences its engine preempted for lack of KV pages (recomputed later) since it started"
+    )
     config_version: int | None = Field(
         description="the deployment config version it serves (its count of audited changes); null if "
         "none was announced"
