@@ -1,6 +1,7 @@
 """The web UI in a real browser: Debian's Chromium driven by Playwright against a real API process (`tessera
 api`) with real Redis and a seeded database. Sign in, the dashboard's figures equal `GET /v1/usage`, the charts
-draw, the CSV equals the API's, an admin flips a deployment's integrity switch (diff, save, audit), a tenant
+draw, the latency and error panel equals `GET /v1/usage/quality` (and a 429 from the gateway shows by its limit),
+the CSV equals the API's, an admin flips a deployment's integrity switch (diff, save, audit), a tenant
 key cannot open /admin, a bad key gets a clear message, a phone screen holds, axe-core finds nothing serious.
 
 Screenshots go to $TESSERA_ARTIFACTS (default tests/artifacts/, gitignored)."""
@@ -21,8 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from tessera import SHIPPED_MODEL_DIR, db, tenancy
+from tessera import SHIPPED_MODEL_DIR, db, quota_config, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
+from tessera.quotas import Limits
 
 import billing
 from gpu_workers.protocol import WorkerInfo, worker_queue, workers_key
@@ -73,6 +75,7 @@ def seed_usage(session, tenant_id: str, key_ids: list[str], tenant: str, n: int)
     events = []
     for i in range(n):
         started = datetime(2026, 11, 1 + i % 14, 9, tzinfo=timezone.utc) + timedelta(seconds=i)
+        ttft_ms = 2500 if i % 40 == 0 else 30 + 20 * (i % 7)  # 6 ms per output token after the first
         events.append(
             billing.UsageEvent(
                 request_id=f"{tenant}-{i}",
@@ -80,13 +83,15 @@ def seed_usage(session, tenant_id: str, key_ids: list[str], tenant: str, n: int)
                 key_id=key_ids[i % len(key_ids)],
                 deployment=MODELS[i % 3],
                 model=MODELS[i % 3],
-                status="completed",
+                # Some fail after their first tokens (billed as usual): errors for the quality panel.
+                status="failed" if i % 25 == 24 else "completed",
+                error_code=("engine_failed", "kv_integrity_violation")[i % 2] if i % 25 == 24 else None,
                 prompt_tokens=200 + 13 * (i % 17),
                 cached_tokens=32 * (i % 5),
                 output_tokens=20 + 7 * (i % 11),
                 started_at=started,
-                first_token_at=started + timedelta(milliseconds=50),
-                finished_at=started + timedelta(milliseconds=400),
+                first_token_at=started + timedelta(milliseconds=ttft_ms),
+                finished_at=started + timedelta(milliseconds=ttft_ms + 6 * (19 + 7 * (i % 11))),
             )
         )
     billing.record_events(session, events)
@@ -152,7 +157,7 @@ def server(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-        r.delete(env["TESSERA_RECORDS_STREAM"])
+        r.delete(env["TESSERA_RECORDS_STREAM"], billing.rejections_key(env["TESSERA_RECORDS_STREAM"]))
         for pool in ("prefill", "decode", "serve"):
             r.delete(workers_key(deployment, pool))
 
@@ -265,9 +270,9 @@ def test_sign_in_and_the_dashboard_shows_what_the_usage_api_says(context, server
     invoices = server.api("/v1/invoices").json()["data"]
     assert [r[0] for r in table(page, "invoices")] == [i["period"] for i in invoices] and invoices
     assert [r[3] for r in table(page, "invoices")] == [i["total_usd"] for i in invoices]
-    # Bounded: the page, its stylesheet, four scripts and four API calls, whatever the ledger holds.
+    # Bounded: the page, its stylesheet, four scripts and five API calls, whatever the ledger holds.
     api_calls = [u for u in requests if "/v1/" in u]
-    assert len(api_calls) == 4 and len(requests) == 9, requests
+    assert len(api_calls) == 5 and len(requests) == 10, requests
     assert all(u.startswith(server.url) for u in requests)  # nothing from a CDN
     shot(page, "dashboard")
 
@@ -285,6 +290,80 @@ def test_filters_narrow_the_figures_to_one_model(context, server):
         "(n) => document.querySelector('[data-total=requests]').textContent === n", arg=f"{requests:,}"
     )
     assert table(page, "by-model")[0][0] == "@acme/big"
+
+
+def seconds(value: float | None) -> str:
+    """As the dashboard shows a latency (dashboard.js ``seconds``)."""
+    if value is None:
+        return "–"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def quality_shown(page) -> dict[str, str]:
+    return {
+        dd.get_attribute("data-quality"): dd.text_content() for dd in page.locator("[data-quality]").all()
+    }
+
+
+def test_the_quality_panel_shows_what_the_quality_api_says(context, server):
+    page = context.new_page()
+    open_dashboard(page, server)
+    quality = server.api("/v1/usage/quality", start=START, end=END).json()
+    total = quality["total"]
+    assert total["requests"] == 300 and total["errors"] == {"engine_failed": 6, "kv_integrity_violation": 6}
+    # 8 of 300 took 2.5 s (under 5%), the rest at most 150 ms: p95 lies in the bucket of 150 ms
+    assert 0.03 <= total["ttft"]["p50_s"] <= total["ttft"]["p95_s"] < 0.22
+    assert 0.004 < total["tpot"]["p50_s"] < 0.009  # 6 ms per token, within its bucket
+    assert quality_shown(page) == {
+        "ttft_p50": seconds(total["ttft"]["p50_s"]),
+        "ttft_p95": seconds(total["ttft"]["p95_s"]),
+        "tpot_p50": seconds(total["tpot"]["p50_s"]),
+        "tpot_p95": seconds(total["tpot"]["p95_s"]),
+        "errors": "12",
+        "rejected": f"{total['rejected']:,}",
+    }
+    assert quality_shown(page)["ttft_p50"].endswith(" ms")
+    assert sorted(table(page, "errors")) == [["engine_failed", "6"], ["kv_integrity_violation", "6"]]
+    per_day = table(page, "quality-by-day")
+    assert [r[0] for r in per_day] == [d["day"] for d in quality["data"]] and len(per_day) == 14
+    assert [r[1:4] for r in per_day] == [
+        [f"{d['requests']:,}", seconds(d["ttft"]["p50_s"]), seconds(d["ttft"]["p95_s"])]
+        for d in quality["data"]
+    ]
+    assert [r[4:6] for r in per_day] == [
+        [seconds(d["tpot"]["p50_s"]), seconds(d["tpot"]["p95_s"])] for d in quality["data"]
+    ]
+    shot(page, "dashboard-quality")
+
+
+def test_a_429_from_the_gateway_shows_on_the_dashboard_by_its_limit(context, server):
+    with server.sessions() as session:
+        key, raw = tenancy.create_key(session, "acme", name="limited")
+        quota_config.set_limits(session, "acme", Limits(rpm=1), key_prefix=key.prefix)
+    time.sleep(quota_config.CACHE_TTL_S + 0.2)  # the API's limits cache
+    body = {"model": server.deployment, "prompt": [1, 2, 3], "max_tokens": 2}
+    codes = []
+    for _ in range(2):  # the minute's one request is admitted (then finds no worker), the next is refused
+        response = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {raw}"}, timeout=30
+        )
+        codes.append((response.status_code, response.json()["error"]["code"]))
+    assert codes[1] == (429, "rate_limit_exceeded"), codes
+    today = datetime.now(timezone.utc).date().isoformat()
+    deadline = time.monotonic() + 30
+    while not server.api("/v1/usage/quality", start=today, end=today).json()["total"]["rejected"]:
+        assert time.monotonic() < deadline, "the 429 was never counted"
+        time.sleep(0.2)  # the API's billing consumer moves the counters every second
+    page = context.new_page()
+    open_dashboard(page, server)
+    page.goto(f"/dashboard?start={START}&end={today}")
+    wait_ready(page)
+    quality = server.api("/v1/usage/quality", start=START, end=today).json()
+    assert quality["total"]["rejected_by_limit"] == {"rpm": 1}
+    assert table(page, "rejections") == [["rpm", "1"]]
+    assert quality_shown(page)["rejected"] == "1"
+    assert table(page, "quality-by-day")[-1][0] == today and table(page, "quality-by-day")[-1][7] == "1"
+    shot(page, "dashboard-429")
 
 
 def test_the_csv_download_equals_the_api(context, server):

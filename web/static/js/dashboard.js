@@ -1,5 +1,5 @@
-// The usage dashboard: three GETs of /v1/usage (per day, model and key) and one of /v1/invoices, whatever
-// the data size; an invoice's lines load when it is opened.
+// The usage dashboard: three GETs of /v1/usage (per day, model and key), one of /v1/usage/quality and one of
+// /v1/invoices, whatever the data size; an invoice's lines load when it is opened.
 import { api, cell, fmt, markReady, query, row, usd } from "./api.js";
 
 const MAX_DAYS = 366;
@@ -135,15 +135,69 @@ function renderCharts(days, start, end) {
   }
 }
 
+// Seconds as the quality panel shows them: milliseconds under a second, else seconds.
+function seconds(value) {
+  if (value === null || value === undefined) return "–";
+  return value < 1 ? `${(value * 1000).toFixed(1)} ms` : `${value.toFixed(2)} s`;
+}
+
+function countRows(id, counts, empty) {
+  const body = document.querySelector(`#${id} tbody`);
+  const entries = Object.entries(counts).sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]));
+  body.replaceChildren(...entries.map(([name, n]) => row(cell(name), cell(fmt.format(n), { num: true }))));
+  if (!entries.length) {
+    const td = cell(empty);
+    td.colSpan = 2;
+    body.append(row(td));
+  }
+}
+
+function renderQuality(quality) {
+  const sum = (counts) => Object.values(counts).reduce((total, n) => total + n, 0);
+  const t = quality.total;
+  const values = {
+    ttft_p50: seconds(t.ttft.p50_s),
+    ttft_p95: seconds(t.ttft.p95_s),
+    tpot_p50: seconds(t.tpot.p50_s),
+    tpot_p95: seconds(t.tpot.p95_s),
+    errors: fmt.format(sum(t.errors)),
+    rejected: fmt.format(t.rejected),
+  };
+  for (const dd of document.querySelectorAll("[data-quality]")) dd.textContent = values[dd.dataset.quality];
+  countRows("errors", t.errors, "No errors in this range.");
+  countRows("rejections", t.rejected_by_limit, "No request refused in this range.");
+  const body = document.querySelector("#quality-by-day tbody");
+  body.replaceChildren(
+    ...quality.data.map((d) =>
+      row(
+        cell(d.day),
+        cell(fmt.format(d.requests), { num: true }),
+        cell(seconds(d.ttft.p50_s), { num: true }),
+        cell(seconds(d.ttft.p95_s), { num: true }),
+        cell(seconds(d.tpot.p50_s), { num: true }),
+        cell(seconds(d.tpot.p95_s), { num: true }),
+        cell(fmt.format(sum(d.errors)), { num: true }),
+        cell(fmt.format(d.rejected), { num: true }),
+      ),
+    ),
+  );
+  if (!quality.data.length) {
+    const td = cell("No requests in this range.");
+    td.colSpan = 8;
+    body.append(row(td));
+  }
+}
+
 async function load() {
   const f = filters();
   status.textContent = "Loading…";
   const base = { start: f.start, end: f.end, model: f.model, key: f.key };
   try {
-    const [days, models, keys] = await Promise.all([
+    const [days, models, keys, quality] = await Promise.all([
       api("GET", `/v1/usage?${query({ ...base, group_by: "day", limit: MAX_DAYS })}`),
       api("GET", `/v1/usage?${query({ ...base, group_by: "model", limit: 1000 })}`),
       api("GET", `/v1/usage?${query({ ...base, group_by: "key", limit: 1000 })}`),
+      api("GET", `/v1/usage/quality?${query(base)}`),
     ]);
     const ownKey = document.getElementById("by-key").dataset.ownKey;
     fillSelect(form.model, models.data.map((m) => m.model), f.model, (m) => m);
@@ -153,6 +207,7 @@ async function load() {
     renderTable("by-model", models.data, (r) => r.model);
     renderTable("by-key", keys.data, (r) => (r.key_id === ownKey ? `${r.key_id} (this key)` : r.key_id ?? "no key"));
     renderTable("by-day", days.data, (r) => r.day);
+    renderQuality(quality);
     document.getElementById("csv").href = `/v1/usage?${query({ ...base, group_by: "day", limit: MAX_DAYS, format: "csv" })}`;
     status.textContent = `Usage from ${f.start} to ${f.end} (UTC days).`;
     history.replaceState(null, "", `?${query(base)}`);
