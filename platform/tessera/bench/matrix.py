@@ -469,10 +469,15 @@ class Matrix:
             closed_loop(self.spec.url, [self.spec.api_key], workload, [prompt], 1, _noop)
         )
         self.all_outcomes += outcomes
-        if outcomes[0].status != "ok":
+        status = outcomes[0].status
+        if status in ("401", "403"):
             raise BenchError(
-                f"the {what} request failed ({outcomes[0].status}): check --input-len/--output-len against the "
-                f"model's context and the deployment's max_tokens_limit, and the kv budget against one request"
+                f"the {what} request was refused ({status}): --api-key must be a valid inference key"
+            )
+        if status != "ok":
+            raise BenchError(
+                f"the {what} request failed ({status}): check --input-len/--output-len against the model's "
+                "context and the deployment's max_tokens_limit, and --kv-budget-bytes against one request"
             )
 
     def measure(self, run: Run, tick: Callable[[], None]) -> dict:
