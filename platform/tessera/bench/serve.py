@@ -42,6 +42,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    output_cost_usd: float = 0.0  # what the server billed for the output tokens (usage.cost_details)
 
     @property
     def tpot(self) -> float | None:
@@ -120,6 +121,7 @@ async def send(client: httpx.AsyncClient, api_key: str, workload: Workload, prom
                         outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
                             "cached_tokens", 0
                         )
+                        outcome.output_cost_usd = (usage.get("cost_details") or {}).get("output", 0.0)
     except httpx.TimeoutException:
         outcome.status = "timeout"
     except (httpx.TransportError, json.JSONDecodeError):

@@ -273,6 +273,82 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--plot", type=Path, metavar="FILE.png", help="plot throughput and latency vs load")
     serve.set_defaults(func=cmd_serve)
 
+    # --- bench matrix (bench-matrix) ---
+    matrix = benches.add_parser(
+        "matrix",
+        help="the same load against deployment configurations side by side: KV format, weights, integrity, "
+        "prefix cache; held concurrency, peak tok/s, cost per million output tokens",
+        description="For each configuration of --axes, under one kv_budget_bytes per worker: PATCH the "
+        "deployment through the admin API, wait until every live worker serves the new config version, run "
+        "closed-loop levels at each --concurrency (bench serve's metrics) while /admin/pools is sampled for "
+        "preemptions and requests waiting for KV pages. Restores the deployment's config at the end (also on "
+        "an error or Ctrl-C).",
+    )
+    matrix.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8787")
+    matrix.add_argument("--admin-key", required=True, metavar="KEY", help="an admin-scoped API key")
+    matrix.add_argument("--api-key", required=True, metavar="KEY", help="the key the load is sent with")
+    matrix.add_argument("--model", required=True, help="the deployment (model id), e.g. @tessera/pycode-tiny")
+    matrix.add_argument(
+        "--axes",
+        default="kv,weights,integrity,prefix",
+        metavar="kv,weights,integrity,prefix",
+        help="what to vary, one axis at a time (default: all four; mode cannot change live, see the error)",
+    )
+    matrix.add_argument("--concurrency", type=parse_ids, default=[1, 8, 16, 32], metavar="1,8,16,32")
+    matrix.add_argument(
+        "--input-len", type=parse_positive_int, default=128, help="prompt tokens (default 128)"
+    )
+    matrix.add_argument(
+        "--output-len", type=parse_positive_int, default=64, help="output tokens (default 64)"
+    )
+    matrix.add_argument(
+        "--requests-per-client",
+        type=parse_positive_int,
+        default=4,
+        help="each level sends concurrency x this many requests (default 4)",
+    )
+    matrix.add_argument(
+        "--shared-prefix-len",
+        type=parse_positive_int,
+        help="the prefix axis' system prompt (default 3/4 of input)",
+    )
+    matrix.add_argument(
+        "--prefill-len", type=parse_positive_int, help="prompt tokens of the weights axis' prefill probe"
+    )
+    matrix.add_argument(
+        "--prefill-requests", type=parse_positive_int, default=8, help="prefill probe requests (default 8)"
+    )
+    matrix.add_argument(
+        "--kv-budget-bytes",
+        type=parse_positive_int,
+        help="KV bytes per worker in every configuration (default: the deployment's)",
+    )
+    matrix.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="compute dtype in every configuration (default: the deployment's; auto re-measures the CPU in "
+        "each restarted worker, which a loaded machine can tip either way)",
+    )
+    matrix.add_argument(
+        "--worker-usd-per-hour",
+        type=parse_positive_float,
+        default=2.0,
+        help="price of one worker-hour for cost per million tokens (default 2.0, a placeholder: pass yours)",
+    )
+    matrix.add_argument(
+        "--reload-timeout",
+        type=parse_positive_float,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for the workers to serve a new config (default 300)",
+    )
+    matrix.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [10, VOCAB)")
+    matrix.add_argument("--seed", type=int, help="prompt seed (default: new each run, so no cache is warm)")
+    matrix.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
+    matrix.add_argument("--plot", type=Path, metavar="FILE.png", help="plot output tok/s vs load per axis")
+    matrix.set_defaults(func=cmd_matrix)
+    # --- end bench matrix ---
+
     # --- bench usage (billing-invoices) ---
     usage = benches.add_parser(
         "usage",
@@ -514,3 +590,41 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.json,
         args.plot,
     )
+
+
+# --- bench matrix (bench-matrix) ---
+def cmd_matrix(args: argparse.Namespace) -> None:
+    from tessera.bench.matrix import AXIS_NAMES, MatrixSpec, run_matrix
+
+    axes = [a.strip() for a in args.axes.split(",") if a.strip()]
+    unknown = sorted(set(axes) - set(AXIS_NAMES))
+    if not axes or unknown:
+        raise CliError(
+            f"--axes takes a comma-separated subset of {','.join(AXIS_NAMES)}; got {args.axes!r}", 2
+        )
+    require_positive(args, "concurrency")
+    if args.shared_prefix_len is not None and args.shared_prefix_len >= args.input_len:
+        raise CliError(f"--shared-prefix-len must be below --input-len ({args.input_len})", exit_code=2)
+    if args.vocab <= 10:
+        raise CliError("--vocab must be above 10 (ids below 10 are left out as likely special tokens)", 2)
+    spec = MatrixSpec(
+        url=args.url.rstrip("/"),
+        admin_key=args.admin_key,
+        api_key=args.api_key,
+        deployment=args.model,
+        axes=list(dict.fromkeys(axes)),
+        concurrency=sorted(set(args.concurrency)),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        requests_per_client=args.requests_per_client,
+        shared_prefix_len=args.shared_prefix_len,
+        prefill_len=args.prefill_len,
+        prefill_requests=args.prefill_requests,
+        kv_budget_bytes=args.kv_budget_bytes,
+        dtype=args.dtype,
+        worker_usd_per_hour=args.worker_usd_per_hour,
+        vocab=args.vocab,
+        seed=args.seed,
+        reload_timeout_s=args.reload_timeout,
+    )
+    run_matrix(spec, json_path=args.json, plot_path=args.plot)
