@@ -142,7 +142,7 @@ INVOICE_SUMS = (
 )
 # PostgreSQL: the batch as one JSON array (one short statement the driver parses once, instead of a VALUES
 # list of thousands of parameters), inserted, and only the rows really inserted summed into the rollups and
-# the invoice sums, all in one statement (data-modifying CTEs): one round trip per batch.
+# the invoice sums and the quality counts, all in one statement (data-modifying CTEs): one round trip per batch.
 _RECORD_PG = text(
     "WITH new AS (INSERT INTO billing_ledger SELECT * FROM "
     "json_populate_recordset(NULL::billing_ledger, CAST(:rows AS json)) "
@@ -164,6 +164,10 @@ _RECORD_PG = text(
         "count(*), sum(cached_input_tokens), sum(fresh_input_tokens), sum(output_tokens), "
         "sum(cached_input_cost), sum(fresh_input_cost), sum(output_cost) FROM new",
     )
+    + "), latency AS ("
+    + _upsert_sql("billing_latency", quality.LATENCY_KEYS, ("requests",), quality.PG_LATENCY_SELECT)
+    + "), outcomes AS ("
+    + _upsert_sql("billing_outcomes", quality.OUTCOME_KEYS, ("requests",), quality.PG_OUTCOME_SELECT)
     + ") SELECT request_id FROM new"
 )
 
@@ -201,7 +205,7 @@ def record_events(
             new = [row for request_id, row in rows.items() if request_id in inserted]
             _add_sums(session, Rollup.__table__, ROLLUP_KEYS, ROLLUP_SUMS, new, _rollup_key)
             _add_sums(session, InvoiceSum.__table__, INVOICE_KEYS, INVOICE_SUMS, new, _invoice_key)
-        quality.add_ledger_rows(session, new)
+            quality.add_ledger_rows(session, new)
         session.commit()
     except BaseException:
         session.rollback()

@@ -106,8 +106,25 @@ OUTCOME_KEYS = ("tenant_id", "day", "model", "key_id", "status", "error_code")
 REJECTION_KEYS = ("tenant_id", "day", "model", "key_id", "limit_name")
 
 
+# The same counts in PostgreSQL, as SELECTs over ``new`` (the ledger rows the statement really inserted) for
+# billing.ledger's one-statement insert: width_bucket(x, BOUNDS) is bisect_right, and float8 arithmetic is
+# Python's, so both paths put a request in the same bucket (tests run both).
+_PG_BOUNDS = "ARRAY[" + ", ".join(repr(b) for b in BOUNDS) + "]::float8[]"
+PG_LATENCY_SELECT = (
+    f"SELECT tenant_id, day, model, coalesce(key_id, '{NO_KEY}'), m.metric, width_bucket(m.seconds, "
+    f"{_PG_BOUNDS}), count(*) FROM new CROSS JOIN LATERAL (VALUES ('ttft', greatest(ttft_s, 0)), ('tpot', "
+    "CASE WHEN output_tokens > 1 THEN greatest(duration_s - ttft_s, 0) / (output_tokens - 1) END)) "
+    "AS m(metric, seconds) WHERE ttft_s IS NOT NULL AND m.seconds IS NOT NULL"  # greatest() skips NULLs
+)
+PG_OUTCOME_SELECT = (
+    f"SELECT tenant_id, day, model, coalesce(key_id, '{NO_KEY}'), status, coalesce(error_code, '{NO_ERROR}'), "
+    "count(*) FROM new"
+)
+
+
 def add_ledger_rows(session: Session, rows: Iterable[Mapping[str, Any]]) -> None:
-    """Count ledger rows just inserted (in their transaction) into the latency buckets and outcome counts."""
+    """Count ledger rows just inserted (in their transaction) into the latency buckets and outcome counts
+    (SQLite; PostgreSQL counts them in the insert statement itself, with the SELECTs above)."""
     buckets: dict[tuple, int] = defaultdict(int)
     outcomes: dict[tuple, int] = defaultdict(int)
     for row in rows:

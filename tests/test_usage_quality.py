@@ -123,9 +123,12 @@ def test_ledger_rows_fill_buckets_and_outcomes_and_a_duplicate_moves_nothing(ses
         usage(1, ttft_ms=40, duration_ms=40, output_tokens=1),  # one token: no tpot
         usage(2, ttft_ms=None, duration_ms=5, output_tokens=0, status="failed", error_code="engine_failed"),
         usage(3, ttft_ms=900, duration_ms=1000, output_tokens=3, status="cancelled", key_id=None),
+        # On bounds (1 s, 10 ms per token), and a clock that stepped back: the same bucket on every database.
+        usage(4, ttft_ms=1000, duration_ms=1010, output_tokens=2, key_id="k-2"),
+        usage(5, ttft_ms=-3, duration_ms=-1, output_tokens=2, key_id="k-2"),
     ]
     with sessions() as session:
-        assert len(billing.record_events(session, events)) == 4
+        assert len(billing.record_events(session, events)) == 6
 
     def counts():
         with sessions() as session:
@@ -135,9 +138,11 @@ def test_ledger_rows_fill_buckets_and_outcomes_and_a_duplicate_moves_nothing(ses
                 )
             ).all()
             outcomes = session.execute(
-                select(OutcomeCount.status, OutcomeCount.error_code, OutcomeCount.requests)
+                select(
+                    OutcomeCount.status, OutcomeCount.error_code, func.sum(OutcomeCount.requests)
+                ).group_by(OutcomeCount.status, OutcomeCount.error_code)
             ).all()
-        return sorted(map(tuple, latency)), sorted(map(tuple, outcomes))
+        return sorted(map(tuple, latency)), sorted((s, c, int(n)) for s, c, n in outcomes)
 
     latency, outcomes = counts()
     assert latency == sorted(
@@ -146,9 +151,14 @@ def test_ledger_rows_fill_buckets_and_outcomes_and_a_duplicate_moves_nothing(ses
             ("ttft", bucket_of(0.9), billing.NO_KEY, 1),
             ("tpot", bucket_of(0.02), "k-1", 1),
             ("tpot", bucket_of(0.05), billing.NO_KEY, 1),
+            ("ttft", bucket_of(1.0), "k-2", 1),
+            ("tpot", bucket_of(0.01), "k-2", 1),
+            ("ttft", 0, "k-2", 1),
+            ("tpot", bucket_of(0.002), "k-2", 1),
         ]
     )
-    assert outcomes == [("cancelled", "", 1), ("completed", "", 2), ("failed", "engine_failed", 1)]
+    assert bucket_of(1.0) == BOUNDS.index(1.0) + 1  # a bound opens its bucket
+    assert outcomes == [("cancelled", "", 1), ("completed", "", 4), ("failed", "engine_failed", 1)]
     with sessions() as session:  # redelivered, and repeated within the batch
         assert billing.record_events(session, [events[0], events[0], events[2]]) == []
     assert counts() == (latency, outcomes)
