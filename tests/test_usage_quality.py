@@ -24,6 +24,7 @@ from tessera.settings import Settings
 import billing
 from billing import LatencyBucket, OutcomeCount, RejectionCount, UsageEvent
 from billing.quality import BOUNDS, bucket_of, flush_rejections, quantile, rejection_field, rejections_key
+from gpu_workers.protocol import WorkerInfo, worker_queue, workers_key
 
 postgres_admin = test_db.postgres_admin
 migrated_sqlite_file = test_db.migrated_sqlite_file
@@ -32,6 +33,7 @@ migrated_url = test_db.migrated_url
 
 REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 MODEL = "@tessera/pycode-tiny"
+DEPLOYMENT = f"@test/quality-{uuid.uuid4().hex[:8]}"  # its own: other runs share this Redis
 QUALITY_TABLES = (LatencyBucket, OutcomeCount, RejectionCount, billing.RejectionFlush)
 
 
@@ -253,7 +255,12 @@ def api(tmp_path_factory, demo_model_dir):
     with sessions() as session:
         tenancy.create_deployment(
             session,
-            {"name": MODEL, "checkpoint": str(demo_model_dir), "max_model_len": 128, "max_tokens_limit": 16},
+            {
+                "name": DEPLOYMENT,
+                "checkpoint": str(demo_model_dir),
+                "max_model_len": 128,
+                "max_tokens_limit": 16,
+            },
             actor="test",
         )
         for name in ("acme", "globex"):
@@ -268,6 +275,7 @@ def api(tmp_path_factory, demo_model_dir):
         yield test_client, sessions, keys, settings
     client = redis.Redis.from_url(REDIS_URL)
     client.delete(settings.records_stream, rejections_key(settings.records_stream))
+    client.delete(*(workers_key(DEPLOYMENT, pool) for pool in ("prefill", "decode", "serve")))
 
 
 def bearer(raw: str) -> dict[str, str]:
@@ -365,11 +373,22 @@ def test_a_429_from_the_gateway_shows_by_its_limit(api):
     with sessions() as session:
         quota_config.set_limits(session, "globex", Limits(rpm=1))
     time.sleep(quota_config.CACHE_TTL_S + 0.1)  # the gateway's limits cache
-    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+    body = {"model": DEPLOYMENT, "prompt": [1, 2, 3], "max_tokens": 2}
     first = test_client.post("/v1/completions", json=body, headers=bearer(raw))
     assert first.status_code == 503  # admitted (the minute's one request), then no worker is live
     second = test_client.post("/v1/completions", json=body, headers=bearer(raw))
     assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded"
+    got = wait_rejected(test_client, raw)
+    today = datetime.now(timezone.utc).date().isoformat()
+    assert got["total"]["rejected_by_limit"] == {"rpm": 1}
+    assert got["data"][0]["day"] == today and got["data"][0]["rejected"] == 1
+    acme = test_client.get(
+        "/v1/usage/quality", params={"start": today, "end": today}, headers=bearer(keys["acme"][2])
+    ).json()
+    assert acme["total"]["rejected"] == 0
+
+
+def wait_rejected(test_client, raw: str) -> dict:
     today = datetime.now(timezone.utc).date().isoformat()
     deadline = time.monotonic() + 30
     while True:  # the app's consumer moves the counters every second
@@ -377,11 +396,39 @@ def test_a_429_from_the_gateway_shows_by_its_limit(api):
             "/v1/usage/quality", params={"start": today, "end": today}, headers=bearer(raw)
         ).json()
         if got["total"]["rejected"] or time.monotonic() > deadline:
-            break
+            return got
         time.sleep(0.2)
-    assert got["total"]["rejected_by_limit"] == {"rpm": 1}
-    assert got["data"][0]["day"] == today and got["data"][0]["rejected"] == 1
-    acme = test_client.get(
-        "/v1/usage/quality", params={"start": today, "end": today}, headers=bearer(keys["acme"][2])
-    ).json()
-    assert acme["total"]["rejected"] == 0
+
+
+def test_a_busy_model_refusing_with_429_counts_as_capacity(api):
+    test_client, sessions, _, settings = api
+    name = f"busy-{uuid.uuid4().hex[:6]}"
+    with sessions() as session:
+        tenancy.create_tenant(session, name)
+        _, raw = tenancy.create_key(session, name)
+    client = redis.Redis.from_url(REDIS_URL)
+    queues = []
+    for pool in ("prefill", "decode", "serve"):  # live workers whose queues are full
+        worker = f"{pool}-{uuid.uuid4().hex[:6]}"
+        info = WorkerInfo(
+            worker_id=worker,
+            deployment=DEPLOYMENT,
+            pool=pool,
+            queue=worker_queue(worker),
+            host="test",
+            pid=1,
+            last_seen=time.time() + 60,
+        )
+        client.hset(workers_key(DEPLOYMENT, pool), worker, info.to_json())
+        client.rpush(worker_queue(worker), *["waiting"] * settings.max_queue_depth)
+        queues.append(worker_queue(worker))
+    try:
+        response = test_client.post(
+            "/v1/completions",
+            json={"model": DEPLOYMENT, "prompt": [1, 2, 3], "max_tokens": 2},
+            headers={**bearer(raw), "x-reject-if-busy": "true"},
+        )
+    finally:
+        client.delete(*queues, *(workers_key(DEPLOYMENT, pool) for pool in ("prefill", "decode", "serve")))
+    assert response.status_code == 429 and response.json()["error"]["code"] == "out_of_capacity"
+    assert wait_rejected(test_client, raw)["total"]["rejected_by_limit"] == {"capacity": 1}
