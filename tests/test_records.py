@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from sqlalchemy import func, select
 from tessera import db, records, tenancy
 from tessera.models import ApiKey, RequestRecord
 from tessera.records import GROUP, Recorder, RecordWriter, RequestOutcome
+
+import billing
 
 # test_db's database fixtures: each test gets an empty migrated SQLite and PostgreSQL database.
 postgres_admin = test_db.postgres_admin
@@ -352,3 +355,44 @@ def test_an_outcome_derives_fresh_tokens_ttft_and_duration(caller):
 def test_an_outcome_refuses_more_cached_than_prompt_tokens(caller):
     with pytest.raises(ValueError, match=r"cached_tokens \(11\) exceeds prompt_tokens \(10\)"):
         outcome(caller, 0, cached_tokens=11)
+
+
+# --- 429 counters --------------------------------------------------------------------------------------------
+
+
+def test_each_429_adds_one_to_its_counter_and_no_row_per_request(client, stream):
+    async def reject() -> None:
+        r = aioredis.Redis.from_url(REDIS_URL)
+        recorder = Recorder(r, stream, MAXLEN)
+        for limit in ("rpm", "rpm", "tpm"):
+            await recorder.reject("t-1", "k-1", "@m/a", limit)
+        await recorder.reject("t-1", None, "@m/a", "rpm")
+        await r.aclose()
+
+    asyncio.run(reject())
+    key = billing.rejections_key(stream)
+    try:
+        today = datetime.now(timezone.utc).date()
+        counts = {k.decode(): int(v) for k, v in client.hgetall(key).items()}
+        assert counts == {
+            billing.rejection_field("t-1", today, "@m/a", "k-1", "rpm"): 2,
+            billing.rejection_field("t-1", today, "@m/a", "k-1", "tpm"): 1,
+            billing.rejection_field("t-1", today, "@m/a", None, "rpm"): 1,
+        }
+        assert client.xlen(stream) == 0  # nothing on the outcome stream: the writer never sees a 429
+    finally:
+        client.delete(key)
+
+
+def test_a_429_is_still_answered_when_redis_cannot_count_it(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens once the socket closes
+
+    async def reject() -> None:
+        r = aioredis.Redis.from_url(dead, socket_connect_timeout=1)
+        await Recorder(r, "tessera:test:dead", MAXLEN).reject("t-1", "k-1", "@m/a", "rpm")
+        await r.aclose()
+
+    asyncio.run(reject())  # returns: losing a count never turns the 429 into a 500
+    assert "could not count a 429 (rpm) of tenant t-1" in caplog.text
