@@ -123,6 +123,9 @@ class Sampling(Message):
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0  # OpenAI's, -2..2; 0 = off
+    presence_penalty: float = 0.0  # OpenAI's, -2..2; 0 = off
+    repetition_penalty: float = 1.0  # HF/vLLM's, > 0; 1 = off
 
 
 @dataclass

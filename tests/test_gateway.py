@@ -464,23 +464,42 @@ def test_lone_surrogates_in_text_are_400_naming_the_field(gw, path, field, body,
     assert gw.pools.sent == []
 
 
-@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
-@pytest.mark.parametrize("value", [-2.5, 2.01, 100])
-def test_penalties_outside_openais_range_are_400(gw, name, value):
-    error = assert_openai_error(gw.chat(**{name: value}), 400, "invalid_request")
-    assert error["param"] == name and "2" in error["message"]
-
-
-@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
-@pytest.mark.parametrize("value", [-2, 0.5, 2])
-def test_non_zero_penalties_are_refused_as_not_supported_never_ignored(gw, name, value):
-    error = assert_openai_error(gw.chat(**{name: value}), 400, "invalid_request")
-    assert error["param"] == name and "not supported" in error["message"]
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("presence_penalty", -2.5),
+        ("presence_penalty", 2.01),
+        ("frequency_penalty", 100),
+        ("frequency_penalty", -2.01),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.2),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_penalties_out_of_range_are_400_naming_the_parameter(gw, path, name, value):
+    body = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
+    error = assert_openai_error(post_raw(gw, path, {"model": gw.model, **body, name: value}), 400)
+    assert error["param"] == name
     assert gw.pools.sent == []
 
 
-def test_zero_penalties_change_nothing_and_are_accepted(gw):
-    assert gw.chat(presence_penalty=0, frequency_penalty=0.0).status_code == 200
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_penalties_reach_the_worker_on_both_routes(gw, path):
+    body = {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": -0.5, "repetition_penalty": 1.3}
+    response = post_raw(gw, path, {"model": gw.model, **body, **penalties})
+    assert response.status_code == 200, response.text
+    s = gw.pools.sent[-1].task.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (1.5, -0.5, 1.3)
+
+
+def test_penalties_default_off_and_zero_is_accepted(gw):
+    assert gw.chat().status_code == 200
+    s = gw.pools.sent[-1].task.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert gw.chat(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1).status_code == 200
+    s = gw.pools.sent[-1].task.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.0, 0.0, 1.0)
 
 
 @pytest.mark.parametrize(

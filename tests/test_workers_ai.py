@@ -145,6 +145,30 @@ def test_bad_bodies_are_400_with_5007(gw, account, body):
     assert gw.pools.sent == []
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0)],
+)
+def test_penalties_out_of_range_are_400_naming_the_parameter(gw, account, name, value):
+    error = assert_envelope_error(run(gw, account, {"prompt": "Hi", name: value}), 400, 5007)
+    assert name in error["message"]
+    assert gw.pools.sent == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"prompt": "Tell me a story"}, {"messages": [{"role": "user", "content": "Hi"}]}],
+    ids=["prompt", "messages"],
+)
+def test_penalties_reach_the_worker(gw, account, body):
+    gw.pools.script = reply(("Hello",))
+    penalties = {"frequency_penalty": 0.7, "presence_penalty": 1.25, "repetition_penalty": 1.1}
+    response = run(gw, account, {**body, **penalties})
+    assert response.status_code == 200, response.text
+    s = gw.pools.sent[-1].task.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.7, 1.25, 1.1)
+
+
 def test_invalid_json_is_400_with_5007(gw, account):
     response = gw.client.post(
         f"/accounts/{account}/ai/run/{gw.model}",

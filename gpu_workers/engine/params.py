@@ -87,6 +87,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Repetition guards, applied to the logits before temperature (engine.sampling.apply_penalties).
+    # OpenAI's: subtract frequency_penalty * count + presence_penalty * (count > 0), counts over this
+    # request's generated tokens; range -2..2, 0 = off.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # HF/vLLM's: tokens of the prompt or the output have positive logits divided by it and negative ones
+    # multiplied; > 0, 1 = off, > 1 discourages repeats.
+    repetition_penalty: float = 1.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     def validate(self) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -101,6 +113,16 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(
                 "invalid_top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
+                raise InvalidRequest(f"invalid_{name}", f"{name} must be a number in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if isinstance(rep, bool) or not isinstance(rep, int | float) or not 0 < rep < float("inf"):
+            raise InvalidRequest(
+                "invalid_repetition_penalty",
+                f"repetition_penalty must be a finite number > 0 (1 disables it), got {rep!r}",
             )
         if isinstance(self.stop, str):
             self.stop = [self.stop]

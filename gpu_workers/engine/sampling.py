@@ -1,22 +1,34 @@
-"""Turn a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Turn a batch of next-token logits into tokens: repetition penalties, greedy, temperature, top-k, top-p,
+per-request seeds."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from gpu_workers.engine.params import SamplingParams
 
+# A row's token history: (prompt ids, ids generated so far in this request).
+History = tuple[Sequence[int], Sequence[int]]
+
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: Sequence[History] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` [N, vocab] (float32).
 
     Each row draws from its own generator, so a seeded request picks the same tokens whatever else is
-    in the batch. Greedy rows take the argmax; sampled rows are sorted only when top-k or top-p asks.
+    in the batch. Rows that ask for a penalty have it applied first (``histories`` gives their tokens);
+    greedy rows take the argmax; sampled rows are sorted only when top-k or top-p asks.
     """
     if not params:
         return []
+    if histories is not None:
+        logits = apply_penalties(logits, params, histories)
     tokens = logits.argmax(dim=-1).tolist()
     sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not sampled_rows:
@@ -77,3 +89,47 @@ def _filtered_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> torch
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History]
+) -> torch.Tensor:
+    """``logits`` with each row's repetition penalties applied, as vLLM orders them: first
+    ``repetition_penalty`` over the tokens of the prompt and the output (positive logits divided by it,
+    negative ones multiplied), then ``logit[t] -= frequency_penalty * count[t] + presence_penalty *
+    (count[t] > 0)`` with counts over the output. Only rows that ask for a penalty are touched (one
+    scatter_add of their ids into a [rows, vocab] count); ``logits`` itself is left as it was."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    picked = [params[i] for i in rows]
+    output_counts = _counts([histories[i][1] for i in rows], vocab)
+    penalised = logits[rows]
+    rep_rows = [j for j, p in enumerate(picked) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        sub = penalised[rep_rows]
+        seen = output_counts[rep_rows] > 0
+        seen |= _counts([histories[rows[j]][0] for j in rep_rows], vocab) > 0
+        rep = torch.tensor([picked[j].repetition_penalty for j in rep_rows], dtype=logits.dtype)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        penalised[rep_rows] = sub
+    freq = torch.tensor([p.frequency_penalty for p in picked], dtype=logits.dtype)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in picked], dtype=logits.dtype)[:, None]
+    penalised -= freq * output_counts + pres * (output_counts > 0).to(logits.dtype)
+    return logits.index_copy(0, torch.tensor(rows), penalised)
+
+
+def _counts(id_lists: list[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[len(id_lists), vocab] float32: how often each token id occurs in each list (ids >= vocab ignored)."""
+    longest = max((len(ids) for ids in id_lists), default=0)
+    counts = torch.zeros(len(id_lists), vocab + 1)
+    if longest == 0:
+        return counts[:, :vocab]
+    ids = torch.full((len(id_lists), longest), vocab, dtype=torch.long)
+    for j, row in enumerate(id_lists):
+        if row:
+            row_ids = torch.as_tensor(row, dtype=torch.long)
+            ids[j, : len(row)] = row_ids.masked_fill_((row_ids < 0) | (row_ids > vocab), vocab)
+    counts.scatter_add_(1, ids, torch.ones(ids.shape))
+    return counts[:, :vocab]

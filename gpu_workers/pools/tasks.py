@@ -80,6 +80,9 @@ def sampling_params(sampling: Sampling, max_tokens: int | None = None) -> Sampli
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        repetition_penalty=sampling.repetition_penalty,
     )
 
 

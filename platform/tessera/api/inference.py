@@ -114,6 +114,9 @@ class Gateway:
             seed=body.seed,
             stop=body.stop_list,
             ignore_eos=body.ignore_eos,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         )
         if sampling.stop and model.tokenizer is None:
             raise APIError(

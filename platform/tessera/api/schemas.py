@@ -101,9 +101,11 @@ class GenerationRequest(_Strict):
     user: Text | None = None
     # An extension (as vLLM's): generate exactly max_tokens, past end-of-sequence; benchmarks need fixed lengths.
     ignore_eos: bool = False
-    # Accepted in OpenAI's range, but the engine has no penalties: anything but 0 is refused below.
+    # Repetition guards: OpenAI's two (over the tokens generated so far, 0 = off) and, as vLLM's
+    # extension, HF's repetition_penalty (over prompt and output, 1 = off, > 1 discourages repeats).
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -127,16 +129,6 @@ class GenerationRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value:
-            raise ValueError(
-                f"'{info.field_name}' is not supported by this API (the engine applies no penalties); "
-                "remove it or set it to 0"
-            )
         return value
 
     @field_validator("n")

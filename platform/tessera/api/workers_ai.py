@@ -117,6 +117,9 @@ class RunRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
     stream: bool = False
     options: RunOptions | None = None
 
@@ -261,6 +264,9 @@ def _openai_request(model: str, body: RunRequest) -> ChatCompletionRequest | Com
         "top_p": body.top_p,
         "top_k": body.top_k,
         "seed": body.seed,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
         "stream": body.stream,
         # Workers AI ends a stream with the usage event.
         "stream_options": StreamOptions(include_usage=True) if body.stream else None,

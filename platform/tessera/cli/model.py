@@ -49,6 +49,27 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--top-k", type=int, default=0, metavar="K", help="sample from the k likeliest tokens; 0 is off"
     )
     gen.add_argument("--seed", type=int, metavar="S", help="per-request seed: same seed, same output")
+    gen.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="subtract F x (times a token was generated) from its logit, in [-2, 2] (default 0, off)",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="subtract P from the logit of every token generated so far, in [-2, 2] (default 0, off)",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="divide positive logits of prompt and generated tokens by R (> 0; default 1, off)",
+    )
     gen.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string; repeatable")
     add_engine_args(gen, default_dtype=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -87,6 +108,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     try:
         params.validate()
