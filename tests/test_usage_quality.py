@@ -5,6 +5,7 @@ the caller's tenant only. Real Redis, real SQLite and PostgreSQL, the real app w
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 import uuid
@@ -27,6 +28,8 @@ from billing.quality import BOUNDS, bucket_of, flush_rejections, quantile, rejec
 from gpu_workers.protocol import WorkerInfo, worker_queue, workers_key
 
 postgres_admin = test_db.postgres_admin
+postgres_url = test_db.postgres_url
+database_url = test_db.database_url
 migrated_sqlite_file = test_db.migrated_sqlite_file
 migrated_postgres_url = test_db.migrated_postgres_url
 migrated_url = test_db.migrated_url
@@ -164,6 +167,46 @@ def test_ledger_rows_fill_buckets_and_outcomes_and_a_duplicate_moves_nothing(ses
     with sessions() as session:  # redelivered, and repeated within the batch
         assert billing.record_events(session, [events[0], events[0], events[2]]) == []
     assert counts() == (latency, outcomes)
+
+
+def test_the_migration_counts_the_ledger_already_there(database_url, tmp_path):
+    """A ledger written before 0008 gets the counts record_events would have kept."""
+    events = [
+        usage(n, ttft_ms=None if n % 9 == 0 else 7 * n, duration_ms=7 * n + 30 * (n % 4), output_tokens=n % 6)
+        for n in range(60)
+    ] + [usage(60, ttft_ms=50, duration_ms=70, output_tokens=4, status="failed", error_code="timeout")]
+    db.upgrade(database_url, "0007")
+    engine = db.make_engine(database_url)
+    with db.session_factory(engine)() as session:
+        rows = [billing.price_row(e, billing.PriceBook(session)) for e in events]
+        for row in rows:
+            row.update(invoice_period=row["day"].strftime("%Y-%m"), recorded_at=row["finished_at"])
+        session.execute(billing.LedgerEvent.__table__.insert(), rows)
+        session.commit()
+    db.upgrade(database_url)
+    fresh = db.make_engine(f"sqlite:///{tmp_path / 'fresh.db'}")
+    db.upgrade(fresh.url)
+    reports = []
+    for e in (engine, fresh):
+        with db.session_factory(e)() as session:
+            if e is fresh:
+                billing.record_events(session, events)
+            reports.append(
+                billing.quality_report(session, "t-acme", start=date(2026, 11, 1), end=date(2026, 11, 30))
+            )
+        e.dispose()
+    migrated, recorded = reports
+    assert migrated == recorded
+    assert migrated[1].samples("ttft") == 54 and migrated[1].errors == {"timeout": 1}
+
+
+def test_the_migrations_bounds_are_billings():
+    spec = importlib.util.spec_from_file_location(
+        "m0008", db.MIGRATIONS_DIR / "versions" / "0008_usage_quality.py"
+    )
+    migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migration)
+    assert migration.BOUNDS == BOUNDS
 
 
 # --- 429 counters -----------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Usage quality: latency histogram buckets, outcome counts and 429 counts per (tenant, day, model, key), and
-the tokens of the 429 counter batches already moved from Redis (billing.quality).
+the tokens of the 429 counter batches already moved from Redis (billing.quality). The ledger already there is
+counted in, so the dashboard shows latency and errors for the days before the upgrade too (429s were not
+recorded before).
 
 Revision ID: 0008
 Revises: 0007
@@ -7,6 +9,9 @@ Create Date: 2026-12-01
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
+from collections import defaultdict
 
 import sqlalchemy as sa
 from alembic import op
@@ -17,6 +22,9 @@ branch_labels = None
 depends_on = None
 
 SCOPE = ("tenant_id", "day", "model", "key_id")
+# billing.quality.BOUNDS at the time of this revision (tests check they agree): 1 ms to 100 s, six per decade.
+BOUNDS = tuple(1e-3 * 10 ** (i / 6) for i in range(31))
+CHUNK = 1000
 
 
 def _scope() -> list[sa.Column]:
@@ -58,6 +66,36 @@ def upgrade() -> None:
         sa.Column("flushed_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("token", name=op.f("pk_billing_rejection_flushes")),
     )
+    _count_the_ledger()
+
+
+def _count_the_ledger() -> None:
+    """The quality counts of every ledger row, as billing.quality.add_ledger_rows makes them."""
+    conn = op.get_bind()
+    ledger = sa.table(
+        "billing_ledger",
+        *(sa.column(n) for n in ("tenant_id", "day", "model", "key_id", "status", "error_code")),
+        *(sa.column(n) for n in ("ttft_s", "duration_s", "output_tokens")),
+    )
+    buckets: dict[tuple, int] = defaultdict(int)
+    outcomes: dict[tuple, int] = defaultdict(int)
+    rows = conn.execute(sa.select(ledger).execution_options(stream_results=True, yield_per=10_000))
+    for tenant_id, day, model, key_id, status, error_code, ttft, duration, output in rows:
+        scope = (tenant_id, day, model, key_id or "")
+        outcomes[(*scope, status, error_code or "")] += 1
+        if ttft is None:
+            continue
+        buckets[(*scope, "ttft", bisect_right(BOUNDS, max(ttft, 0.0)))] += 1
+        if output > 1:
+            buckets[(*scope, "tpot", bisect_right(BOUNDS, max(duration - ttft, 0.0) / (output - 1)))] += 1
+    for name, keys, counts in (
+        ("billing_latency", ("metric", "bucket"), buckets),
+        ("billing_outcomes", ("status", "error_code"), outcomes),
+    ):
+        table = sa.table(name, *(sa.column(n) for n in (*SCOPE, *keys, "requests")))
+        values = [dict(zip((*SCOPE, *keys, "requests"), (*k, n), strict=True)) for k, n in counts.items()]
+        for start in range(0, len(values), CHUNK):
+            conn.execute(table.insert(), values[start : start + CHUNK])
 
 
 def downgrade() -> None:
