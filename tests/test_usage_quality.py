@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 import uuid
 from datetime import date, datetime, timedelta, timezone
@@ -279,6 +280,33 @@ def test_a_flush_that_died_before_its_commit_is_added_by_the_next(client, sessio
     assert rejected(sessions) == {}
     assert flush_rejections(client, sessions, counters) == 2
     assert rejected(sessions) == {"rpm": 2}
+
+
+def test_concurrent_flushers_move_every_429_exactly_once(client, sessions, counters):
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def flusher() -> None:
+        own = redis.Redis.from_url(REDIS_URL)
+        while not stop.is_set():
+            try:
+                flush_rejections(own, sessions, counters)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+                return
+        own.close()
+
+    threads = [threading.Thread(target=flusher) for _ in range(3)]
+    for t in threads:
+        t.start()
+    field = rejection_field("t-acme", date(2026, 11, 3), MODEL, "k-1", "rpm")
+    for _ in range(300):  # the gateway's side, while the flushers take batches away
+        client.hincrby(counters, field, 1)
+    stop.set()
+    for t in threads:
+        t.join()
+    flush_rejections(client, sessions, counters)
+    assert errors == [] and rejected(sessions) == {"rpm": 300}
 
 
 # --- /v1/usage/quality ------------------------------------------------------------------------------------
