@@ -19,11 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.checkpoint import ModelLoadError
+from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.model import load_model
-from gpu_workers.model.deepseek_v3 import MLAttention
+from gpu_workers.model.deepseek_v3 import MLAttention, latent_kv_spec
 from gpu_workers.model.layers import MLP
 from gpu_workers.model.moe import DeepseekMoE
+from gpu_workers.tools.capacity import NAMED_CONFIGS, named_model
 from tests.hf_models import PAGE_SIZE, Checkpoint, random_tokens, run_paged, save_tiny
 
 TOLERANCE = 1e-4
@@ -136,9 +137,43 @@ def test_latent_cache_holds_one_entry_of_rank_plus_rope_per_layer(checkpoint):
         assert engine.stats()["kv_bytes_per_token"] == LAYERS * ENTRY * element
         assert engine.cache.v is engine.cache.k  # one tensor per layer: values are the latent part
         assert engine.cache.nbytes == engine.cache.k.nbytes
+        assert engine.model.kv_spec == latent_kv_spec(engine.model.config)
+        # What the pool allocates per token of capacity is the declared entry.
+        assert engine.cache.nbytes / engine.cache.capacity_tokens == LAYERS * ENTRY * element
     # transformers caches per-head K (nope + rope) and V for each of the 4 heads.
     per_head_kv = LAYERS * 4 * ((8 + 8) + 12)
     assert per_head_kv / ENTRY / LAYERS > 4
+
+
+def test_kimi_k2_latent_entry_is_576_values_per_layer_as_tessera_capacity_says():
+    config = ModelConfig.from_dict({**NAMED_CONFIGS["Kimi-K2"], "max_position_embeddings": 131072})
+    spec = latent_kv_spec(config)  # what DeepseekV3ForCausalLM.kv_spec returns, without building 61 layers
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.v_is_k) == (61, 1, 576, True)
+    engine_bytes = spec.bytes_per_token(torch.bfloat16)
+    assert engine_bytes == 61 * 576 * 2 == named_model("Kimi-K2").kv.bytes_per_token("bf16")
+    # transformers caches K (128 nope + 64 rope) and V (128) for each of the 64 heads: 35.6x the latent.
+    assert 61 * 64 * (192 + 128) * 2 / engine_bytes >= 25
+
+
+def test_prefill_to_decode_handoff_through_fp8_latent_kv_matches_one_engine(checkpoint):
+    first_token = SamplingParams(temperature=0.0, max_tokens=1)
+    rest = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens - 1, ignore_eos=True)
+    prefill = make_engine(checkpoint.path, kv_cache_dtype="fp8_e4m3")
+    decode = make_engine(checkpoint.path, kv_cache_dtype="fp8_e4m3")
+    single = make_engine(checkpoint.path, kv_cache_dtype="fp8_e4m3")
+    for prompt in prompts(3, seed=4):
+        events = []
+        prefill.add_request(prompt, first_token, export_kv="fp8_e4m3", on_event=events.append)
+        while prefill.has_unfinished():
+            prefill.step()
+        block = events[-1].kv
+        assert block.kv_format == "fp8_e4m3" and tuple(block.k.shape[2:]) == (1, ENTRY)
+        decoded = []
+        decode.add_request(prompt + events[-1].token_ids, rest, kv_import=block, on_event=decoded.append)
+        while decode.has_unfinished():
+            decode.step()
+        out = [t for e in decoded for t in e.token_ids]
+        assert events[-1].token_ids + out == single.generate([prompt], GREEDY)[0].token_ids
 
 
 def test_fp8_latent_kv_runs_and_stays_close(checkpoint, model, monkeypatch):

@@ -208,5 +208,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     @property
     def kv_spec(self) -> KVSpec:
-        mla = self.config.mla
-        return KVSpec(self.config.num_layers, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, v_is_k=True)
+        return latent_kv_spec(self.config)
+
+
+def latent_kv_spec(config: ModelConfig) -> KVSpec:
+    """The cache entry of an MLA model, from its config alone (no weights): one tensor per layer of one
+    "KV head" holding the latent and the rope key, values read from the same slots."""
+    mla = config.mla
+    return KVSpec(config.num_layers, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, v_is_k=True)
