@@ -260,7 +260,7 @@ class Engine:
             logits,
             [s.params for s in sampling],
             [self._generator_for(s) for s in sampling],
-            [(s.prompt_ids, s.output_ids) for s in sampling],
+            [s.history() if s.params.has_penalties else ((), ()) for s in sampling],
         )
         events += [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
         self._counters["generated_tokens"] += len(tokens)

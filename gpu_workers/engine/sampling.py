@@ -109,8 +109,8 @@ def apply_penalties(
     penalised = logits[rows]
     rep_rows = [j for j, p in enumerate(picked) if p.repetition_penalty != 1.0]
     if rep_rows:
-        r, t = _flat_ids([[*histories[rows[j]][0], *histories[rows[j]][1]] for j in rep_rows], vocab)
-        r = torch.tensor(rep_rows)[r]
+        r, t = _flat_ids([h for j in rep_rows for h in histories[rows[j]]], vocab)
+        r = torch.tensor(rep_rows)[r // 2]  # two lists (prompt, output) per row
         rep = torch.tensor([p.repetition_penalty for p in picked], dtype=logits.dtype)[r]
         seen = penalised[r, t]
         penalised[r, t] = torch.where(seen > 0, seen / rep, seen * rep)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,9 @@ class Sequence:
     export_kv: str | None = None  # KV format to export the prompt's KV in when the request finishes
     kv_import: Any = None  # KVBlock to load into the first pages at admission, instead of computing
     kv: Any = None  # the exported KVBlock (as the cache stores it until the step converts it)
+    # The token ids as int64 arrays for the sampler's penalties, extended by the tokens appended since
+    # (output_ids only grow); None until a penalised step first asks.
+    _history: tuple[array, array] | None = field(default=None, repr=False)
 
     @property
     def imported_tokens(self) -> int:
@@ -64,6 +68,15 @@ class Sequence:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def history(self) -> tuple[array, array]:
+        """(prompt ids, output ids so far) as int64 arrays, for ``sampling.apply_penalties``: each step
+        copies only the tokens generated since the last call."""
+        if self._history is None:
+            self._history = (array("q", self.prompt_ids), array("q"))
+        prompt, output = self._history
+        output.extend(self.output_ids[len(output) :])
+        return prompt, output
 
     @property
     def text(self) -> str:
