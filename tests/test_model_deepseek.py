@@ -131,6 +131,17 @@ def test_batch_of_16_with_preemption_equals_running_alone(checkpoint):
     assert [o.token_ids for o in outputs] == expected
 
 
+def test_prefix_cache_reuses_latent_pages_within_a_tenant_only(checkpoint):
+    engine = make_engine(checkpoint.path)
+    shared = random_tokens(17, seed=5)
+    first = engine.generate([shared + [3, 4]], GREEDY, tenant="a")[0].token_ids
+    again = engine.generate([shared + [3, 4]], GREEDY, tenant="a")[0].token_ids
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    assert again == first and hits >= 16  # four full 4-token latent pages of the shared prompt
+    engine.generate([shared + [3, 4]], GREEDY, tenant="b")
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits
+
+
 def test_latent_cache_holds_one_entry_of_rank_plus_rope_per_layer(checkpoint):
     for kv_dtype, element in (("auto", 4), ("bf16", 2)):
         engine = make_engine(checkpoint.path, kv_cache_dtype=kv_dtype)
