@@ -209,6 +209,23 @@ def test_fp8_latent_kv_runs_and_stays_close(checkpoint, model, monkeypatch):
     assert torch.equal(fp8, two_tensors)
 
 
+@pytest.mark.parametrize("weights", ["fp8", "int4"])
+def test_quantised_weights_keep_the_router_and_absorb_the_quantised_kv_b_proj(checkpoint, weights):
+    model = load_model(checkpoint.path, weights=weights)
+    attn = model.model.layers[1].self_attn
+    assert type(attn.kv_b_proj) is not torch.nn.Linear
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router is never quantised
+    latent = torch.randn(5, attn.rank)
+    w_uk, w_uv = attn.absorbed_weights()
+    with torch.inference_mode():
+        kv = attn.kv_b_proj(latent).view(5, attn.num_heads, attn.nope + attn.v_dim)
+    torch.testing.assert_close(torch.einsum("tr,hdr->thd", latent, torch.cat((w_uk, w_uv), 1)), kv)
+    # Paged decode through the latent pages gives the quantised model's own whole-prompt logits.
+    [decoded] = run_paged(model, [PROMPT], [[(0, 13)]] + [[(0, 1)]] * 7)
+    [whole] = run_paged(model, [PROMPT], [[(0, len(PROMPT))]])
+    assert max_diff(decoded, whole) <= TOLERANCE
+
+
 def test_mtp_layer_in_the_checkpoint_is_skipped_with_a_log_line(checkpoint, tmp_path, caplog):
     path = tmp_path / "with-mtp"
     shutil.copytree(checkpoint.path, path)
