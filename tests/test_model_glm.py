@@ -105,6 +105,9 @@ def test_partial_rotary_changes_the_logits(checkpoint, model):
 
 def test_greedy_engine_generation_matches_hf_generate(checkpoint):
     engine = make_engine(checkpoint.path)
+    # The engine serves fused projections: q/k/v and every MLP's gate/up as one matmul each.
+    layer = engine.model.model.layers[1]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.experts[0].gate_up_proj is not None
     for prompt in prompts(3, seed=1):
         expected = checkpoint.hf_model.generate(
             torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0

@@ -14,7 +14,7 @@ from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.model.deepseek_v3 import ScaledRotary
-from gpu_workers.model.layers import RMSNorm
+from gpu_workers.model.layers import RMSNorm, concat_linears
 from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM
 from gpu_workers.model.moe import feed_forward
 from gpu_workers.model.rotary import apply_rotary
@@ -26,7 +26,9 @@ def rotary_dims(config: ModelConfig) -> int:
 
 class GlmAttention(nn.Module):
     """q/k/v projections, per-head q/k norm (``use_qk_norm``), RoPE on the first ``rotary_dims`` of each
-    head (the rest passes through), attention through the paged cache, o_proj (no bias in GLM)."""
+    head (the rest passes through), attention through the paged cache, o_proj (no bias in GLM).
+
+    ``fuse`` makes the q, k and v projections one matmul once the checkpoint is loaded."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -43,6 +45,8 @@ class GlmAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None
+        self.qkv_sizes = [q_size, kv_size, kv_size]
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -56,14 +60,23 @@ class GlmAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         o = attn(self.layer_idx, q, k, v, scale=self.scale)
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
+
+    def fuse(self) -> None:
+        fused = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
 
 class Glm4MoeDecoderLayer(nn.Module):
@@ -91,3 +104,10 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.model.rotary = ScaledRotary(config.rope, rotary_dims(config))
+
+    def fuse_projections(self) -> None:
+        """The experts' and dense MLPs' gate/up fusion of ``LlamaForCausalLM``, plus each layer's q/k/v."""
+        super().fuse_projections()
+        for module in self.modules():
+            if isinstance(module, GlmAttention):
+                module.fuse()
