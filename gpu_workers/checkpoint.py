@@ -21,8 +21,14 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
 )
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# MoE with a sigmoid router, shared experts and dense first layers (DeepSeek-V3 / Kimi K2, GLM-4.5).
+_DEEPSEEK_MOE = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+# YaRN frequencies are computed only by these models' rotary code (``model.deepseek_v3.yarn_*``).
+_YARN_ARCHITECTURES = _DEEPSEEK_MOE
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # HF's default theta when config.json names none (Mixtral's differs from the rest).
 _DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1e6}
@@ -38,6 +44,41 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (``type="yarn"``): ramp bounds, attention-scale correction, and whether the ramp is truncated.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-style MoE (DeepSeek-V3, Kimi K2, GLM-4.5): a sigmoid router with a correction bias and
+    group-limited top-k, routed experts of ``intermediate_size``, shared experts, and dense MLPs in the
+    first ``first_k_dense_replace`` layers."""
+
+    intermediate_size: int
+    num_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): q through an optional LoRA, K/V compressed to a
+    ``kv_lora_rank`` latent plus one shared ``qk_rope_head_dim`` rope key per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +107,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None  # the dtype the checkpoint was saved in
+    moe: MoEConfig | None = None  # DeepSeek-style MoE (see MoEConfig); Mixtral uses num_experts alone
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3)
+    partial_rotary_factor: float = 1.0  # share of each head's dims that RoPE rotates (GLM)
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the decoder's (skipped)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -96,7 +141,8 @@ class ModelConfig:
                 f"hidden_act {raw['hidden_act']!r} in config.json is not supported; expected 'silu'"
             )
         attention_bias = bool(raw.get("attention_bias", False))
-        moe = architecture == "MixtralForCausalLM"
+        moe = architecture in ("MixtralForCausalLM", *_DEEPSEEK_MOE)
+        extra = _deepseek_fields(architecture, raw)
         eos = token_id_list(raw.get("eos_token_id")) + token_id_list(generation.get("eos_token_id"))
         bos = raw.get("bos_token_id")
         bos = generation.get("bos_token_id") if bos is None else bos
@@ -108,23 +154,28 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            # MLA's attention heads are qk_nope + qk_rope wide (its config.json's head_dim is the rope part).
+            head_dim=(extra["mla"].qk_nope_head_dim + extra["mla"].qk_rope_head_dim)
+            if "mla" in extra
+            else raw.get("head_dim") or hidden_size // num_heads,
             max_position_embeddings=_required(raw, "max_position_embeddings"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope(raw, _DEFAULT_ROPE_THETA.get(architecture, 10000.0)),
+            rope=_rope(raw, _DEFAULT_ROPE_THETA.get(architecture, 10000.0), architecture),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and never an o_proj bias, whatever attention_bias says.
             qkv_bias=architecture == "Qwen2ForCausalLM"
-            or (attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")),
+            or (attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM", *_DEEPSEEK_MOE)),
             o_bias=attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
             mlp_bias=architecture == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture == "Qwen3ForCausalLM"
+            or (architecture == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm", False))),
             sliding_windows=_sliding_windows(architecture, raw, num_layers),
-            num_experts=raw.get("num_local_experts", 0) if moe else 0,
+            num_experts=raw.get("num_local_experts", raw.get("n_routed_experts", 0)) if moe else 0,
             num_experts_per_tok=raw.get("num_experts_per_tok", 0) if moe else 0,
             eos_token_ids=list(dict.fromkeys(eos)),
             bos_token_id=bos,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            **extra,
         )
 
 
@@ -162,15 +213,58 @@ def token_id_list(value: int | list[int] | None) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
+def _deepseek_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's ``moe``/``mla``/partial-rotary fields of DeepSeek-V3 and GLM-4.5 MoE configs."""
+    if architecture not in _DEEPSEEK_MOE:
+        return {}
+    n_group = int(raw.get("n_group") or 1)
+    num_experts = int(raw.get("n_routed_experts") or 0)
+    if num_experts % n_group:
+        raise ModelLoadError(
+            f"n_routed_experts {num_experts} in config.json is not a multiple of n_group {n_group}"
+        )
+    moe = MoEConfig(
+        intermediate_size=_required(raw, "moe_intermediate_size"),
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        n_group=n_group,
+        topk_group=int(raw.get("topk_group") or 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+    )
+    fields: dict[str, Any] = {
+        "moe": moe,
+        "num_nextn_predict_layers": int(
+            raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0
+        ),
+    }
+    if architecture == "DeepseekV3ForCausalLM":
+        fields["mla"] = MLAConfig(
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=_required(raw, "kv_lora_rank"),
+            qk_nope_head_dim=_required(raw, "qk_nope_head_dim"),
+            qk_rope_head_dim=_required(raw, "qk_rope_head_dim"),
+            v_head_dim=_required(raw, "v_head_dim"),
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+        )
+    else:
+        params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+        fields["partial_rotary_factor"] = float(
+            params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        )
+    return fields
+
+
+def _rope(raw: dict[str, Any], default_theta: float, architecture: str = "") -> RopeConfig:
     # transformers 5 writes one ``rope_parameters`` dict; older configs (most checkpoints in the wild)
     # have a top-level ``rope_theta`` and an optional ``rope_scaling`` that spells its kind ``type``.
     params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
+    supported = ROPE_TYPES if architecture in _YARN_ARCHITECTURES else ROPE_TYPES[:3]
+    if rope_type not in supported:
         raise ModelLoadError(
-            f"rope type {rope_type!r} in config.json is not supported; supported: {', '.join(ROPE_TYPES)}"
+            f"rope type {rope_type!r} in config.json is not supported; supported: {', '.join(supported)}"
         )
     if rope_type == "default":
         return RopeConfig(theta=theta)
@@ -178,6 +272,22 @@ def _rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
         raise ModelLoadError(f"rope type {rope_type!r} in config.json needs a 'factor'")
     if rope_type == "linear":
         return RopeConfig(theta=theta, type="linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        optional = {
+            k: float(params[k]) for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k)
+        }
+        return RopeConfig(
+            theta=theta,
+            type="yarn",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+            ),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            **optional,
+        )
     return RopeConfig(
         theta=theta,
         type="llama3",

@@ -45,6 +45,75 @@ CASES: dict[str, tuple[type, dict]] = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, tie_word_embeddings=True)),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
 }
+# DeepSeek-V3 / GLM-4.5 MoE: 3 layers (the first dense), 8 routed experts in 4 groups of which 2 are kept,
+# top-2 per token, one shared expert. Used by tests/test_model_deepseek.py and tests/test_model_glm.py.
+DEEPSEEK_MOE = dict(
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    # = max_position_embeddings / original_max_position_embeddings, as YaRN configs have it.
+    "factor": 16.0,
+    # Small, so the 8 rope dims fall on both sides of the ramp: kept and interpolated.
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+MOE_CASES: dict[str, tuple[type, dict]] = {}
+MOE_CASES["deepseek_v3"] = (
+    transformers.DeepseekV3Config,
+    dict(
+        DEEPSEEK_MOE,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        rope_parameters=DEEPSEEK_YARN,
+    ),
+)
+MOE_CASES["deepseek_v3_plain_q"] = (
+    transformers.DeepseekV3Config,
+    dict(
+        MOE_CASES["deepseek_v3"][1],
+        q_lora_rank=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+    ),
+)
+MOE_CASES["glm4_moe"] = (
+    transformers.Glm4MoeConfig,
+    dict(
+        DEEPSEEK_MOE,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
+)
+MOE_CASES["glm4_moe_plain"] = (
+    transformers.Glm4MoeConfig,
+    dict(
+        DEEPSEEK_MOE,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    ),
+)
 PAGE_SIZE = 4
 
 
@@ -61,10 +130,10 @@ class Checkpoint:
 
 
 def save_tiny(arch: str, path: Path, seed: int = 0, max_shard_size: str | None = None) -> Checkpoint:
-    """Build a random HF model of ``arch`` (a key of CASES) and ``save_pretrained`` it to ``path``."""
-    config_cls, extra = CASES[arch]
+    """Build a random HF model of ``arch`` (a key of CASES or MOE_CASES) and ``save_pretrained`` it to ``path``."""
+    config_cls, extra = {**CASES, **MOE_CASES}[arch]
     torch.manual_seed(seed)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**BASE, **extra)).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**{**BASE, **extra})).eval()
     _spread_weights(hf_model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     hf_model.save_pretrained(path, **kwargs)
@@ -92,13 +161,15 @@ def run_paged(
     sequences: list[list[int]],
     schedule: list[list[tuple[int, int]]],
     num_pages: int = 32,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """Feed ``sequences`` through one paged cache and return each one's logits for every token it was fed.
 
     Each schedule entry is one step: a list of (sequence index, number of next tokens). A step may mix
-    prefill chunks and single-token decodes of several sequences.
+    prefill chunks and single-token decodes of several sequences. ``kv_dtype`` is the cache's format
+    (e.g. ``torch.float8_e4m3fn``: dynamic per-page scales).
     """
-    cache = KVCache(model.kv_spec, num_pages, PAGE_SIZE, torch.float32)
+    cache = KVCache(model.kv_spec, num_pages, PAGE_SIZE, kv_dtype)
     # Shuffled page ids, handed out one at a time across sequences, so page tables are scattered.
     free = list(range(num_pages))
     random.Random(1).shuffle(free)

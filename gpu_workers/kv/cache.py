@@ -75,7 +75,8 @@ class KVCache:
         self.static_scales = scales
         shape = (spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
-        self.v = torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
+        # An MLA latent entry (``spec.v_is_k``) is one tensor: V is the same tensor as K, written once.
+        self.v = self.k if spec.v_is_k else torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         if is_fp8(dtype):
@@ -83,11 +84,13 @@ class KVCache:
             ones = (1.0,) * spec.num_layers
             self.k_scale = _per_page(scales.k_scale if scales else ones, num_pages, device)
             self.v_scale = _per_page(scales.v_scale if scales else ones, num_pages, device)
+            if spec.v_is_k:
+                self.v_scale = self.k_scale
 
     @staticmethod
     def page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
         """Bytes one page costs: its K/V elements plus, for FP8, its K and V scale in every layer."""
-        scale_bytes = 2 * spec.num_layers * SCALE_DTYPE.itemsize if is_fp8(dtype) else 0
+        scale_bytes = spec.tensors * spec.num_layers * SCALE_DTYPE.itemsize if is_fp8(dtype) else 0
         return page_size * spec.bytes_per_token(storage_dtype(dtype)) + scale_bytes
 
     @staticmethod
@@ -109,8 +112,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.quantized else 0
-        return self.k.nbytes + self.v.nbytes + scales
+        scales = self.k_scale.nbytes * self.spec.tensors if self.quantized else 0
+        return self.k.nbytes * self.spec.tensors + scales
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer flattened to slots: [pages * page_size, kv_heads, head_dim], as stored."""
@@ -138,14 +141,16 @@ class KVCache:
         write is treated as one sequence with no earlier pages.
         """
         k_slots, v_slots = self.layer(layer)
+        writes = [(k, k_slots, self.k_scale), (v, v_slots, self.v_scale)][: self.spec.tensors]
         if not self.quantized:
-            write_kv(k, k_slots, slot_mapping, None, self.page_size)
-            write_kv(v, v_slots, slot_mapping, None, self.page_size)
+            for x, slots, _ in writes:
+                write_kv(x, slots, slot_mapping, None, self.page_size)
             return
         if slot_mapping.numel() == 0:
             return
         pages = slot_mapping // self.page_size
-        for x, slots, page_scale in ((k, k_slots, self.k_scale[layer]), (v, v_slots, self.v_scale[layer])):
+        for x, slots, scales in writes:
+            page_scale = scales[layer]
             if self.static_scales is None:
                 self._open_pages(x, slot_mapping, pages, page_scale, spans)
             write_kv(x, slots, slot_mapping, page_scale, self.page_size)

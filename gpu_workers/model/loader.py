@@ -7,6 +7,8 @@ while loading it, tensor by tensor, so one checkpoint can serve fp8 prefill and 
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError, read_json
+from gpu_workers.model.deepseek_v3 import DeepseekV3ForCausalLM
+from gpu_workers.model.glm4_moe import Glm4MoeForCausalLM
 from gpu_workers.model.llama import LlamaForCausalLM
 from gpu_workers.model.mixtral import MixtralForCausalLM
 from gpu_workers.quant.config import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QuantConfig
@@ -27,8 +31,11 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 INDEX_FILE = "model.safetensors.index.json"
+log = logging.getLogger(__name__)
 
 
 def load_model(
@@ -119,6 +126,7 @@ def _load_weights(model: nn.Module, files: list[Path], progress: bool, quantize_
         name: module for name, module in model.named_modules() if isinstance(module, Fp8Linear | Int4Linear)
     }
     loaded: set[str] = set()
+    skipped_mtp: set[str] = set()
     # stderr, so that machine-readable stdout (``--json``) stays clean while a checkpoint loads.
     with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
         task = bar.add_task("Loading weights", total=len(files))
@@ -133,6 +141,9 @@ def _load_weights(model: nn.Module, files: list[Path], progress: bool, quantize_
                         )
                         continue
                     param = params.get(name)
+                    if param is None and _is_mtp_layer(name, model.config):
+                        skipped_mtp.add(name)
+                        continue
                     if param is None:
                         _check_extra(name, model, file)
                         continue
@@ -145,6 +156,12 @@ def _load_weights(model: nn.Module, files: list[Path], progress: bool, quantize_
                     param.data.copy_(tensor)
                     loaded.add(name)
             bar.advance(task)
+    if skipped_mtp:
+        log.info(
+            "skipped the multi-token-prediction layer(s) model.layers.%d+ (%d tensors): not used for decoding",
+            model.config.num_layers,
+            len(skipped_mtp),
+        )
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -176,6 +193,17 @@ def _stored_as(tensor: torch.Tensor, param: torch.Tensor, name: str, file: Path)
             "checkpoint's quantization_config and its tensors disagree"
         )
     return tensor
+
+
+def _is_mtp_layer(name: str, config: ModelConfig) -> bool:
+    """A tensor of the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 checkpoints store after the
+    decoder's layers."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return (
+        match is not None
+        and config.architecture in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+        and config.num_layers <= int(match[1]) < config.num_layers + max(config.num_nextn_predict_layers, 1)
+    )
 
 
 def _check_extra(name: str, model: nn.Module, file: Path) -> None:
