@@ -49,7 +49,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is None:
             return None
         if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value!r}: pass an aware one")
+            raise ValueError(f"naive datetime {value!r}: pass an aware one (e.g. datetime.now(timezone.utc))")
         value = value.astimezone(timezone.utc)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 

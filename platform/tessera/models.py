@@ -13,16 +13,15 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
-    DateTime,
     ForeignKey,
     Index,
     Integer,
     MetaData,
     String,
-    TypeDecorator,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from billing.schema import UTCDateTime  # one definition for both packages' tables
 from gpu_workers.protocol import DeploymentSpec
 
 # Stable constraint names, so migrations can drop and alter them identically on SQLite and PostgreSQL.
@@ -48,26 +47,6 @@ def utcnow() -> datetime:
 
 def new_id() -> str:
     return uuid.uuid4().hex
-
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """Timezone-aware UTC datetimes on every database (SQLite keeps no zone: it stores naive UTC)."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value!r}: pass an aware one (e.g. datetime.now(timezone.utc))")
-        value = value.astimezone(timezone.utc)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
 
 
 class Base(DeclarativeBase):
