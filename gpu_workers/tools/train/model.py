@@ -66,6 +66,7 @@ def hf_config(
     num_heads: int,
     num_kv_heads: int,
     context: int,
+    rope_theta: float = 10000.0,
 ) -> dict:
     """config.json as transformers writes it for a tied-embedding Llama saved in bfloat16."""
     return {
@@ -81,7 +82,7 @@ def hf_config(
         "hidden_act": "silu",
         "max_position_embeddings": context,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rope_theta": rope_theta,
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": True,

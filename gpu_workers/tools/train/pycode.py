@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from gpu_workers.model import load_model
 from gpu_workers.tools.train.data import (
@@ -57,15 +59,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue a trained model folder (its weights and tokenizer; the context may grow)",
+    )
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument(
+        "--short-context",
+        type=int,
+        default=None,
+        help="train on windows of this length (same tokens per step) until --long-from of the run",
+    )
+    p.add_argument(
+        "--long-from",
+        type=float,
+        default=0.5,
+        help="fraction of the run after which windows are --context long",
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=None,
+        help="warmup-stable-decay schedule sized to this much training time: the learning rate stays at its "
+        "peak until --decay-fraction of the budget is left, then decays linearly to lr * min-lr-ratio over the "
+        "steps the measured step rate fits in what is left (the steps it chose are recorded, so --steps and "
+        "--decay-start reproduce the run without a clock)",
+    )
+    p.add_argument("--decay-fraction", type=float, default=0.25)
+    p.add_argument(
+        "--decay-start", type=int, default=None, help="step-based warmup-stable-decay: decay from here"
+    )
     return p.parse_args(argv)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    """Linear warmup to ``lr``; then cosine decay to ``lr * min_lr_ratio`` at the last step, or, with
+    ``decay_start`` set, the peak until it and a linear decay to the floor at the last step (WSD)."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
     floor = args.lr * args.min_lr_ratio
+    if args.decay_start is not None or args.budget_minutes is not None:
+        if args.decay_start is None or step < args.decay_start:
+            return args.lr
+        progress = (step - args.decay_start) / max(1, args.steps - args.decay_start)
+        return args.lr + (floor - args.lr) * min(progress, 1.0)
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
     return floor + (args.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -100,7 +140,14 @@ def main(argv: list[str] | None = None) -> None:
 
     corpus = stdlib_corpus(heldout_percent=args.heldout_percent)
     train_texts, heldout_texts = corpus.texts(corpus.train), corpus.texts(corpus.heldout)
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    if args.init_from is not None:  # the same tokenizer, so the trained embeddings keep their meaning
+        tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+        if tokenizer.get_vocab_size() != args.vocab_size:
+            raise SystemExit(
+                f"--vocab-size {args.vocab_size} != {args.init_from}'s {tokenizer.get_vocab_size()}"
+            )
+    else:
+        tokenizer = train_tokenizer(train_texts, args.vocab_size)
     train_stream = token_stream(tokenizer, train_texts)
     heldout_stream = token_stream(tokenizer, heldout_texts)
     windows = eval_windows(heldout_stream, args.context)
@@ -120,8 +167,12 @@ def main(argv: list[str] | None = None) -> None:
         args.heads,
         args.kv_heads,
         args.context,
+        args.rope_theta,
     )
     model = build_model(config, args.seed)
+    if args.init_from is not None:
+        model.load_state_dict(load_file(args.init_from / "model.safetensors"), strict=True)
+        _say(f"initialised from {args.init_from} (its weights in float32, context now {args.context})")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -130,7 +181,16 @@ def main(argv: list[str] | None = None) -> None:
         betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(args.seed)
-    history: dict = {"train": [], "heldout": [], "best_step": None, "best_loss": float("inf"), "step": 0}
+    history: dict = {
+        "train": [],
+        "heldout": [],
+        "best_step": None,
+        "best_loss": float("inf"),
+        "step": 0,
+        "long_from_step": None if args.short_context else 0,
+        "decay_start": args.decay_start,
+        "steps": args.steps,
+    }
     train_seconds = 0.0
     state_file = args.work_dir / "state.pt"
     if args.resume and state_file.is_file():
@@ -139,14 +199,22 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
         history, train_seconds = state["history"], state["train_seconds"]
+        args.decay_start, args.steps = history["decay_start"], history["steps"]
         _say(f"resumed at step {history['step']}")
     num_params = sum(p.numel() for p in model.parameters())
-    _say(f"model: {num_params / 1e6:.2f}M parameters; {args.steps} steps of {args.batch_size}x{args.context}")
+    length = f"{args.steps} steps" if args.budget_minutes is None else f"{args.budget_minutes} min"
+    _say(f"model: {num_params / 1e6:.2f}M parameters; {length} of {args.batch_size}x{args.context}")
+    if args.budget_minutes is not None:
+        args.steps = history["steps"] = (
+            max(args.steps, 10**9) if history["decay_start"] is None else args.steps
+        )
 
     log = (args.work_dir / "log.jsonl").open("a")
     model.train()
     window_start, window_tokens = time.time(), 0
-    for step in range(history["step"], args.steps):
+    recent: list[float] = []
+    step = history["step"]
+    while step < args.steps:
         if args.max_minutes is not None and train_seconds > args.max_minutes * 60:
             _say(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
             break
@@ -154,7 +222,14 @@ def main(argv: list[str] | None = None) -> None:
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = random_batch(train_stream, args.batch_size, args.context, gen)
+        if history["long_from_step"] is None and _past(args.long_from, step, train_seconds, args):
+            history["long_from_step"] = step
+            _say(f"step {step}: windows are now {args.context} tokens")
+        if history["long_from_step"] is None:  # the same tokens per step in shorter windows
+            rows = args.batch_size * args.context // args.short_context
+            inputs, targets = random_batch(train_stream, rows, args.short_context, gen)
+        else:
+            inputs, targets = random_batch(train_stream, args.batch_size, args.context, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             loss = loss_fn(model, inputs, targets)
         loss.backward()
@@ -164,6 +239,14 @@ def main(argv: list[str] | None = None) -> None:
         train_seconds += time.time() - step_start
         window_tokens += inputs.numel()
         history["step"] = step + 1
+        recent.append(time.time() - step_start)
+        if args.budget_minutes is not None and history["decay_start"] is None:
+            left = args.budget_minutes * 60 - train_seconds
+            if left <= args.decay_fraction * args.budget_minutes * 60:
+                per_step = sum(recent[-20:]) / len(recent[-20:])
+                args.decay_start = history["decay_start"] = step + 1
+                args.steps = history["steps"] = step + 1 + max(1, int(left / per_step))
+                _say(f"step {step + 1}: decaying the learning rate over {args.steps - step - 1} steps")
         if (step + 1) % args.log_every == 0 or step == 0:
             tokens_per_s = window_tokens / (time.time() - window_start)
             window_start, window_tokens = time.time(), 0
@@ -195,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                 args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows
             )
             window_start, window_tokens = time.time(), 0  # evaluation time is not training time
+        step += 1
 
     if history["best_step"] is None or history["heldout"][-1][0] != history["step"]:
         _evaluate(model, windows, args, history, config, tokenizer, log)
@@ -208,6 +292,16 @@ def main(argv: list[str] | None = None) -> None:
         f"done: best step {history['best_step']}, held-out ppl {math.exp(final_loss):.2f} "
         f"(unigram {unigram_ppl:.1f}), {train_seconds / 60:.1f} min training"
     )
+
+
+def _past(fraction: float, step: int, train_seconds: float, args: argparse.Namespace) -> bool:
+    """Whether ``fraction`` of the run is done: of the time budget, or else of the steps (a value ≥ 1 is a
+    step number, which reproduces a budgeted run's recorded ``long_from_step`` exactly)."""
+    if fraction >= 1:
+        return step >= fraction
+    if args.budget_minutes is not None:
+        return train_seconds >= fraction * args.budget_minutes * 60
+    return step >= fraction * args.steps
 
 
 def _evaluate(model, windows, args, history, config, tokenizer, log) -> None:
@@ -246,6 +340,9 @@ def _write_report(
             "heldout_files": corpus.heldout,
         },
         "seed": args.seed,
+        "initialised_from": _init_record(args.init_from),
+        "long_from_step": history["long_from_step"],
+        "decay_start": history["decay_start"],
         "hyperparameters": hyper,
         "parameters": num_params,
         "steps_done": steps_done,
@@ -268,6 +365,17 @@ def _write_report(
         plot_loss_curve(
             history["train"], history["heldout"], math.log(unigram_ppl), args.out / "loss_curve.png", title
         )
+
+
+def _init_record(folder: Path | None) -> dict | None:
+    """What the continued model had already seen (its own training.json), so the total compute is on record."""
+    if folder is None:
+        return None
+    record = folder / "training.json"
+    earlier = json.loads(record.read_text()) if record.is_file() else {}
+    return {key: earlier.get(key) for key in ("command", "tokens_seen", "train_seconds", "heldout_loss")} | {
+        "path": str(folder)
+    }
 
 
 def _cli_args(args: argparse.Namespace) -> list[str]:
