@@ -202,6 +202,29 @@ def test_rows_with_and_without_penalties_in_one_batch_equal_each_run_alone(tiny_
     assert batched == alone
 
 
+def run_to_end(engine: Engine, prompt: list[int], params: SamplingParams, **kwargs) -> list[int]:
+    events = []
+    engine.add_request(prompt, params, on_event=events.append, **kwargs)
+    while engine.has_unfinished():
+        engine.step()
+    return [t for e in events for t in e.token_ids]
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0}])
+def test_a_handed_off_first_token_counts_as_output_for_the_penalties(tiny_llama_dir, penalty):
+    """Disaggregated serving: prefill samples the first token, decode continues from prompt + [first] with
+    streamed_output=1. The penalties must count that token as output, as one engine does."""
+    engine = make_engine(tiny_llama_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **penalty)
+    for prompt in PROMPTS:
+        whole = run_to_end(engine, prompt, params)
+        first = run_to_end(engine, prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}))
+        rest = run_to_end(
+            engine, prompt + first, SamplingParams(**{**params.__dict__, "max_tokens": 23}), streamed_output=1
+        )
+        assert first + rest == whole
+
+
 def test_the_engine_refuses_out_of_range_penalties(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     [out] = engine.generate([[5, 6]], SamplingParams(max_tokens=4, presence_penalty=3.0))

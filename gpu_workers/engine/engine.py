@@ -511,7 +511,7 @@ class Engine:
             )
         seq.arrival = next(self._arrivals)
         seq.table.salt = prefix_cache_salt(self._salt_secret, tenant)
-        seq.export_kv, seq.kv_import = export_kv, kv_import
+        seq.export_kv, seq.kv_import, seq.streamed_output = export_kv, kv_import, streamed_output
         if params.seed is not None:
             seq.generator = torch.Generator()
         if self.tokenizer is not None:

@@ -44,6 +44,9 @@ class Sequence:
     export_kv: str | None = None  # KV format to export the prompt's KV in when the request finishes
     kv_import: Any = None  # KVBlock to load into the first pages at admission, instead of computing
     kv: Any = None  # the exported KVBlock (as the cache stores it until the step converts it)
+    # The prompt's last ids that are output an earlier phase generated (prefill's first token, handed to
+    # decode): the penalties count them as output, so a disaggregated request samples as a colocated one.
+    streamed_output: int = 0
     # The token ids as int64 arrays for the sampler's penalties, extended by the tokens appended since
     # (output_ids only grow); None until a penalised step first asks.
     _history: tuple[array, array] | None = field(default=None, repr=False)
@@ -73,9 +76,10 @@ class Sequence:
         """(prompt ids, output ids so far) as int64 arrays, for ``sampling.apply_penalties``: each step
         copies only the tokens generated since the last call."""
         if self._history is None:
-            self._history = (array("q", self.prompt_ids), array("q"))
+            context = len(self.prompt_ids) - self.streamed_output
+            self._history = (array("q", self.prompt_ids[:context]), array("q", self.prompt_ids[context:]))
         prompt, output = self._history
-        output.extend(self.output_ids[len(output) :])
+        output.extend(self.output_ids[len(output) - self.streamed_output :])
         return prompt, output
 
     @property
