@@ -28,6 +28,7 @@ from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.protocol import (
     POOLS,
     SUCCESSOR_FIRST_ENV,
@@ -168,7 +169,8 @@ class Launcher:
                 "checkpoint": str(checkpoint),
                 "mode": "disaggregated",
                 "decode_kv": "fp8_e4m3",
-                "max_tokens_limit": 256,  # the shipped model's context is 512 tokens
+                # Half the model's context: a request that leaves max_tokens out still has room for a prompt.
+                "max_tokens_limit": _context_of(checkpoint) // 2,
             }
             tenancy.create_deployment(session, config, actor="tessera up", redis=redis)
         self.say(f"model: {DEFAULT_MODEL} ({checkpoint})")
@@ -293,6 +295,11 @@ class Launcher:
             else:
                 path.unlink(missing_ok=True)
         self.redis_files = []
+
+
+def _context_of(checkpoint: Path) -> int:
+    """The checkpoint's context length (config.json's max_position_embeddings)."""
+    return ModelConfig.from_pretrained(checkpoint).max_position_embeddings
 
 
 def try_command(url: str) -> str:
