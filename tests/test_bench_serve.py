@@ -9,7 +9,17 @@ import subprocess
 import sys
 
 import pytest
-from tessera.bench.serve import Outcome, Workload, arrival_gaps, meets, prompts, summarize
+from tessera.bench.serve import (
+    STAT_METRICS,
+    Outcome,
+    Workload,
+    arrival_gaps,
+    meets,
+    metric,
+    prompts,
+    summarize,
+)
+from tessera.bench.stats import format_interval, mean_interval, ratio_interval, t975
 from tessera.launcher import DEFAULT_MODEL
 from test_launcher import assert_all_stopped, start_up, stop_up
 
@@ -29,6 +39,30 @@ def test_tpot_excludes_the_first_token_and_itl_pools_every_gap():
     assert level["itl_ms"]["mean"] == pytest.approx(300) and level["tpot_ms"]["p50"] == pytest.approx(300)
     assert level["ttft_ms"]["p50"] == pytest.approx(300)  # between 100 and 500
     assert meets(b, {"tpot": 1}) and not meets(a, {"e2el": 999})
+
+
+def test_mean_interval_is_students_t_over_repeats():
+    stat = mean_interval([1.0, 2.0, 3.0])
+    # s = 1, n = 3: mean -+ t(0.975, 2) / sqrt(3) = 2 -+ 4.303 / 1.732
+    assert stat["mean"] == 2.0 and stat["values"] == [1.0, 2.0, 3.0]
+    assert stat["ci95"] == pytest.approx([2 - 2.4843, 2 + 2.4843], abs=1e-4)
+    assert mean_interval([5.0])["ci95"] is None  # one repeat: a mean, no interval
+    assert mean_interval([1.0, None]) is None  # a figure missing from a repeat has no honest mean
+    # Beyond the table the expansion is within 0.001 of Student's t (2.0395 at 31, 1.9799 at 120).
+    assert t975(30) == 2.042 and t975(31) == pytest.approx(2.0395, abs=1e-3)
+    assert t975(120) == pytest.approx(1.9799, abs=1e-3)
+    assert format_interval(stat, ".2f") == "2.00 (-0.48–4.48)" and format_interval(None, ".1f") == "-"
+
+
+def test_ratio_interval_pairs_variant_and_baseline_by_repeat():
+    # Drift doubles both sides in the second repeat: paired, the ratio is exactly 2 every time.
+    paired = ratio_interval([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert paired["mean"] == 2.0 and paired["ci95"] == [2.0, 2.0]
+    unpaired = ratio_interval([2.0, 4.0, 6.0], [3.0, 1.0, 2.0])
+    assert unpaired["ci95"][1] - unpaired["ci95"][0] > 1  # the same values, wrongly paired, spread widely
+    assert ratio_interval([1.0, 2.0], [1.0, 0.0]) is None
+    with pytest.raises(ValueError, match="pair them by repeat"):
+        ratio_interval([1.0], [1.0, 2.0])
 
 
 def test_poisson_arrivals_average_the_rate_and_burstiness_spreads_them():
@@ -61,23 +95,37 @@ def test_bench_serve_reports_the_servers_usage_at_each_level(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-serve-out")
     try:
         files = ["--json", str(out / "serve.json"), "--plot", str(out / "serve.png")]
-        result = bench_serve(up.url, up.key, "1,4", "--slo", "ttft=60000,tpot=60000", *files)
+        result = bench_serve(
+            up.url, up.key, "1,4", "--slo", "ttft=60000,tpot=60000", "--repeats", "2", *files
+        )
         assert result.returncode == 0, result.stderr
         refused = bench_serve(up.url, "not-a-key", "2")
     finally:
         assert stop_up(up, signal.SIGTERM) == 0, up.output
         assert_all_stopped(up)
     report = json.loads((out / "serve.json").read_text())
-    assert [level["concurrency"] for level in report["levels"]] == [1, 4]
+    assert [level["concurrency"] for level in report["levels"]] == [1, 4] and report["repeats"] == 2
     for level in report["levels"]:
-        assert level["completed"] == 8 and level["failures"] == {}
-        assert level["output_tokens"] == 8 * 6 and level["prompt_tokens"] == 8 * 64  # the server's usage
-        assert level["goodput"] == level["request_throughput"]  # generous SLOs: every request meets them
-        assert level["ttft_ms"]["p50"] <= level["e2el_ms"]["p50"]
-        assert level["tpot_ms"]["mean"] > 0 and level["itl_ms"]["p99"] > 0
-    # Every request after the first shares a cached 48-token prefix (pages of 16): 7 of 8 hit in full.
-    assert report["levels"][0]["cached_tokens"] == 7 * 48
-    assert report["levels"][0]["cached_token_share"] == round(7 * 48 / (8 * 64), 4)
+        assert len(level["repeats"]) == 2
+        for part in (level, *level["repeats"]):
+            n = 8 * len(level["repeats"]) if part is level else 8  # the level pools both repeats
+            assert part["completed"] == n and part["failures"] == {}
+            assert part["output_tokens"] == n * 6 and part["prompt_tokens"] == n * 64  # the server's usage
+            assert part["goodput"] == part["request_throughput"]  # generous SLOs: every request meets them
+            assert part["ttft_ms"]["p50"] <= part["e2el_ms"]["p50"]
+            assert part["tpot_ms"]["mean"] > 0 and part["itl_ms"]["p99"] > 0
+        # stats: each metric's per-repeat values, their mean, and an interval around it.
+        for name in STAT_METRICS:
+            stat = level["stats"][name]
+            assert stat["values"] == [pytest.approx(metric(r, name), abs=1e-4) for r in level["repeats"]]
+            assert stat["mean"] == pytest.approx(sum(stat["values"]) / 2, abs=1e-4)
+            assert stat["ci95"][0] <= stat["mean"] <= stat["ci95"][1]
+    # The first request ever misses; every later one shares the tenant's cached 48-token prefix (pages of
+    # 16) and nothing more: each level of each repeat sends prompts of its own.
+    first, *later = [level["repeats"][rep] for rep in range(2) for level in report["levels"]]  # sent order
+    assert first["cached_tokens"] == 7 * 48 and first["cached_token_share"] == round(7 * 48 / (8 * 64), 4)
+    assert [r["cached_tokens"] for r in later] == [8 * 48] * 3
     assert (out / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert " (" in result.stdout and "–" in result.stdout  # tables print "mean (low–high)"
     assert refused.returncode == 0, refused.stderr
     assert "401: 8" in refused.stdout  # every request refused, counted by status

@@ -7,7 +7,13 @@ concurrency, or open loop (arrivals at a request rate: Poisson, or gamma with a 
 the whole request. Token counts are the server's own usage, never re-tokenised here.
 
 Prompts are token ids (``/v1/completions`` takes them), so a prompt's length is exact on any tokenizer;
-``ignore_eos`` makes every request generate exactly ``output_len`` tokens.
+``ignore_eos`` makes every request generate exactly ``output_len`` tokens. Every level of every repeat sends
+prompts of its own (a tenant's shared prefix aside), so no level hits pages an earlier one cached.
+
+With ``repeats`` > 1 the levels run in turn once per repeat (1 8 16, 1 8 16, ...), so drift in the machine's
+load hits every level alike; a level's fields then pool all its repeats' requests, its ``repeats`` list holds
+each repeat's own summary, and ``stats`` the mean of each metric over repeats with a 95% Student-t interval.
+The report's layout is ``schemas/serve.schema.json``.
 """
 
 from __future__ import annotations
@@ -25,10 +31,19 @@ from pathlib import Path
 import httpx
 
 from tessera.bench.console import print_report, progress
-from tessera.bench.stats import quantile
+from tessera.bench.stats import INTERVAL_METHOD, format_interval, mean_interval, quantile
 
 SLO_METRICS = ("ttft", "tpot", "e2el")  # goodput SLOs, in milliseconds
 PERCENTILES = (50, 95, 99)
+DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+# What ``stats`` gives an interval for: a summary's field, or "distribution.statistic".
+STAT_METRICS = (
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "goodput",
+    *(f"{d}.{s}" for d in DISTRIBUTIONS for s in ("mean", *(f"p{p}" for p in PERCENTILES))),
+)
 
 
 @dataclass
@@ -238,6 +253,20 @@ def meets(outcome: Outcome, slo_ms: dict[str, float]) -> bool:
     return all(values[name] is None or 1000 * values[name] <= limit for name, limit in slo_ms.items())
 
 
+def metric(summary: dict, name: str) -> float | None:
+    """A summary's figure by ``STAT_METRICS`` name: ``output_throughput``, or ``ttft_ms.p95``."""
+    field, _, statistic = name.partition(".")
+    value = summary.get(field)
+    if statistic:
+        return None if value is None else value.get(statistic)
+    return value
+
+
+def repeat_stats(summaries: list[dict], names: tuple[str, ...] = STAT_METRICS) -> dict[str, dict | None]:
+    """Per metric, the mean over repeats' summaries with its 95% t-interval (``stats.mean_interval``)."""
+    return {name: mean_interval([metric(s, name) for s in summaries]) for name in names}
+
+
 def run_serve(
     url: str,
     keys: list[str],
@@ -249,29 +278,45 @@ def run_serve(
     slo_ms: dict[str, float],
     json_path: Path | None,
     plot_path: Path | None,
+    repeats: int = 1,
 ) -> dict:
-    """Every load level in turn against ``url``; prints the report and returns it."""
+    """Every load level in turn against ``url``, ``repeats`` times over; prints the report and returns it."""
     levels = concurrency if concurrency else [None]
-    batch = prompts(workload, num_requests, len(keys))
+    # One draw for every (repeat, level): fresh prompts each time, a tenant's shared prefix the same in all.
+    batch = prompts(workload, num_requests * len(levels) * repeats, len(keys))
+    runs: dict[int, list[tuple[list[Outcome], float]]] = {i: [] for i in range(len(levels))}
+    with progress(num_requests * len(levels) * repeats) as tick:
+        for r in range(repeats):
+            for i, level in enumerate(levels):
+                start = (r * len(levels) + i) * num_requests
+                # Prompt j belongs to tenant j % tenants: rotate the keys so the slice's first is its tenant's.
+                turn = start % len(keys)
+                slice_keys = keys[turn:] + keys[:turn]
+                part = batch[start : start + num_requests]
+                if level is None:
+                    coro = open_loop(url, slice_keys, workload, part, request_rate, burstiness, tick)
+                else:
+                    coro = closed_loop(url, slice_keys, workload, part, level, tick)
+                runs[i].append(asyncio.run(coro))
     results = []
-    with progress(num_requests * len(levels)) as tick:
-        for level in levels:
-            if level is None:
-                coro = open_loop(url, keys, workload, batch, request_rate, burstiness, tick)
-            else:
-                coro = closed_loop(url, keys, workload, batch, level, tick)
-            outcomes, duration = asyncio.run(coro)
-            load = (
-                {"concurrency": level}
-                if level is not None
-                else {"request_rate": request_rate, "burstiness": burstiness}
-            )
-            results.append({**load, **summarize(outcomes, duration, slo_ms)})
+    for i, level in enumerate(levels):
+        load = (
+            {"concurrency": level}
+            if level is not None
+            else {"request_rate": request_rate, "burstiness": burstiness}
+        )
+        summaries = [summarize(outcomes, duration, slo_ms) for outcomes, duration in runs[i]]
+        pooled = summarize(
+            [o for outcomes, _ in runs[i] for o in outcomes], sum(d for _, d in runs[i]), slo_ms
+        )
+        results.append({**load, **pooled, "repeats": summaries, "stats": repeat_stats(summaries)})
     report = {
         "url": url,
         "workload": asdict(workload),
         "tenants": len(keys),
         "num_requests": num_requests,
+        "repeats": repeats,
+        "interval": INTERVAL_METHOD,
         "slo_ms": slo_ms,
         "levels": results,
         "machine": f"client: {os.cpu_count()}-core CPU, Python {sys.version.split()[0]}",
@@ -289,34 +334,35 @@ def _tables(report: dict) -> list:
     from rich.table import Table
 
     table = Table(title=f"tessera bench serve: {report['url']} {report['workload']['model']}")
-    for column in (
-        "load", "done", "failed", "req/s", "out tok/s", "goodput", "cached",
-        "TTFT p50/p95/p99 ms", "TPOT p50/p95 ms", "ITL p50/p95 ms", "E2EL p50/p95 ms",
-    ):  # fmt: skip
+    figures = (
+        ("req/s", "request_throughput", ".2f"),
+        ("out tok/s", "output_throughput", ".1f"),
+        ("goodput", "goodput", ".2f"),
+        ("TTFT p50 ms", "ttft_ms.p50", ".1f"),
+        ("TTFT p95 ms", "ttft_ms.p95", ".1f"),
+        ("TTFT p99 ms", "ttft_ms.p99", ".1f"),
+        ("TPOT p50 ms", "tpot_ms.p50", ".1f"),
+        ("TPOT p95 ms", "tpot_ms.p95", ".1f"),
+        ("ITL p95 ms", "itl_ms.p95", ".1f"),
+        ("E2EL p95 ms", "e2el_ms.p95", ".1f"),
+    )
+    for column in ("load", "done", "failed", "cached", *(label for label, _, _ in figures)):
         table.add_column(column, justify="right")
-
-    def pcts(d: dict | None, keys=("p50", "p95")) -> str:
-        return "/".join(f"{d[k]:.1f}" for k in keys) if d else "-"
-
     for level in report["levels"]:
         load = f"c={level['concurrency']}" if "concurrency" in level else f"{level['request_rate']}/s"
         table.add_row(
             load,
             str(level["completed"]),
             ", ".join(f"{k}: {v}" for k, v in level["failures"].items()) or "0",
-            f"{level['request_throughput']:.2f}",
-            f"{level['output_throughput']:.1f}",
-            "-" if level["goodput"] is None else f"{level['goodput']:.2f}",
             f"{100 * level['cached_token_share']:.0f}%",
-            pcts(level["ttft_ms"], ("p50", "p95", "p99")),
-            pcts(level["tpot_ms"]),
-            pcts(level["itl_ms"]),
-            pcts(level["e2el_ms"]),
+            *(format_interval(level["stats"][name], fmt) for _, name, fmt in figures),
         )
     w = report["workload"]
     notes = (
         f"input {w['input_len']} tokens (shared prefix {w['shared_prefix_len']}), output {w['output_len']}, "
-        f"{report['num_requests']} requests per level, {report['tenants']} tenant key(s)"
+        f"{report['num_requests']} requests per level and repeat, {report['repeats']} repeat(s), "
+        f"{report['tenants']} tenant key(s); done/failed/cached: every repeat's requests"
+        + (f"; figures: {report['interval']}" if report["repeats"] > 1 else "")
     )
     return [table, notes]
 

@@ -268,6 +268,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--vocab", type=int, default=1000, help="prompt ids are drawn from [10, VOCAB) (default 1000)"
     )
     serve.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
+    serve.add_argument(
+        "--repeats",
+        type=parse_positive_int,
+        default=1,
+        help="run every level this many times, levels in turn per repeat; figures get the mean and a 95%% "
+        "t-interval over repeats (default 1)",
+    )
     serve.add_argument("--slo", type=parse_slo, default={}, metavar="ttft=MS,tpot=MS", help="goodput SLOs")
     serve.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
     serve.add_argument("--plot", type=Path, metavar="FILE.png", help="plot throughput and latency vs load")
@@ -589,6 +596,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.slo,
         args.json,
         args.plot,
+        repeats=args.repeats,
     )
 
 
