@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from gpu_workers.kv import KVSpec
 from gpu_workers.tools import capacity as cap
 from tests.hf_models import save_tiny
 
@@ -67,7 +68,7 @@ def test_llama_8b_figures_by_hand():
 
 def test_int4_packs_two_per_byte_with_a_bf16_scale_and_zero_per_128():
     model = cap.ModelShapes(
-        "one", {"model.layers.0.mlp.down_proj.weight": (64, 300)}, cap.KVLayout("gqa", 1, 2, 1)
+        "one", {"model.layers.0.mlp.down_proj.weight": (64, 300)}, cap.KVEntry(KVSpec(1, 1, 1))
     )
     assert model.weight_bytes("int4") == 64 * 150 + 64 * 3 * 4
     assert model.weight_bytes("fp8") == 64 * 300 + 64 * 4

@@ -89,9 +89,8 @@ class KVCache:
 
     @staticmethod
     def page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page costs: its K/V elements plus, for FP8, its K and V scale in every layer."""
-        scale_bytes = spec.tensors * spec.num_layers * SCALE_DTYPE.itemsize if is_fp8(dtype) else 0
-        return page_size * spec.bytes_per_token(storage_dtype(dtype)) + scale_bytes
+        """Bytes one page costs: its K/V elements plus, for FP8, its scales (``KVSpec.page_bytes``)."""
+        return spec.page_bytes(page_size, dtype)
 
     @staticmethod
     def pages_for_budget(spec: KVSpec, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:

@@ -1,10 +1,17 @@
-"""What one token's KV-cache entry is, as declared by a model; the allocator is built on it."""
+"""What one token's KV-cache entry is, as declared by a model; the allocator is built on it.
+
+The same declaration prices the cache: ``page_bytes`` is what ``KVCache`` allocates per page in a KV
+format (elements plus that format's scales), and ``tessera capacity`` plans with it, so the planner and
+the engine cannot disagree about bytes per token.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from gpu_workers.formats.fp8 import SCALE_DTYPE, is_fp8, storage_dtype
 
 
 @dataclass(frozen=True)
@@ -26,5 +33,12 @@ class KVSpec:
         return 1 if self.v_is_k else 2
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Element bytes of one token's entry in ``dtype`` elements (no scales)."""
         element = torch.empty((), dtype=dtype).element_size()
         return self.tensors * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    def page_bytes(self, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page of ``page_size`` tokens costs in a cache of ``dtype`` (``KVCache``'s formats):
+        its elements plus, for FP8, one fp32 scale per stored tensor (K, and V unless ``v_is_k``) per layer."""
+        scales = self.tensors * self.num_layers * SCALE_DTYPE.itemsize if is_fp8(dtype) else 0
+        return page_size * self.bytes_per_token(storage_dtype(dtype)) + scales

@@ -206,9 +206,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         super().__init__(config)
         self.model.rotary = ScaledRotary(config.rope, config.mla.qk_rope_head_dim)
 
-    @property
-    def kv_spec(self) -> KVSpec:
-        return latent_kv_spec(self.config)
+    @classmethod
+    def cache_entry(cls, config: ModelConfig) -> KVSpec:
+        return latent_kv_spec(config)
 
 
 def latent_kv_spec(config: ModelConfig) -> KVSpec:

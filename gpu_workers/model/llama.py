@@ -142,9 +142,15 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
+    @classmethod
+    def cache_entry(cls, config: ModelConfig) -> KVSpec:
+        """The cache entry this architecture declares for ``config``, without building the model: what the
+        engine allocates (``kv_spec``) and ``tessera capacity`` plans with."""
+        return KVSpec(config.num_layers, config.num_kv_heads, config.head_dim)
+
     @property
     def kv_spec(self) -> KVSpec:
-        return KVSpec(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+        return self.cache_entry(self.config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

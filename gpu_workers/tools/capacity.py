@@ -8,9 +8,12 @@ headers, or generated from a published config.json (``NAMED_CONFIGS``). Weight b
   a bf16 scale and a bf16 zero point.
 Embeddings, lm_head, norms, biases and MoE routers stay bf16 in every format.
 
-KV bytes per token (``KVLayout``): MHA/GQA caches K and V per KV head; MLA (DeepSeek-V3, Kimi K2, GLM-5)
-caches one latent vector plus the rope part of the key per layer (plus DSA indexer keys for GLM-5).
-``fp8_e4m3`` costs 1 byte per element plus the engine's scales: an fp32 K and V scale per (layer, page).
+KV bytes per token (``KVEntry``) come from the cache entry the engine allocates with: the model class's
+own declaration (``cache_entry(config)``, a ``kv.KVSpec``) priced by ``KVSpec.page_bytes``, the KV cache's
+own arithmetic. MHA/GQA caches K and V per KV head; MLA (DeepSeek-V3, Kimi K2) one latent vector plus the
+rope part of the key per layer, in one tensor. ``fp8_e4m3`` costs 1 byte per element plus an fp32 scale
+per stored tensor per (layer, page): K and V, or the latent's one. GLM-5 (``GlmMoeDsaForCausalLM``), which
+the engine does not serve yet, is planned with a declared latent + rope + DSA indexer key entry.
 
 Tensor parallelism over N GPUs: weights split evenly; KV heads split over GPUs up to the number of KV
 heads (each GPU holds ``ceil(kv_heads / N)`` heads); MLA's single latent is replicated on every GPU. All
@@ -24,15 +27,22 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.formats.fp8 import FP8_DTYPE
+from gpu_workers.kv import KVSpec
+from gpu_workers.model.loader import MODEL_CLASSES
+
 GIB = 2**30
 KV_FORMATS = ("bf16", "fp8_e4m3")
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}  # what the engine's KVCache stores
 WEIGHT_FORMATS = ("bf16", "fp8", "int4")
 INT4_GROUP = 128
-KV_SCALE_BYTES = 4  # fp32 scale per (layer, page) for K and for V, as KVCache stores them
 _ROUTER = re.compile(r"(mlp|block_sparse_moe)\.gate\.")  # the MoE router, not a gate_proj
 
 # Published shapes (config.json of each model's official Hugging Face repository). Only the fields the
@@ -41,6 +51,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.1-8B
     "Llama-3.1-8B": {
         "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 131072,
         "vocab_size": 128256,
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -52,6 +63,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-32B
     "Qwen3-32B": {
         "architectures": ["Qwen3ForCausalLM"],
+        "max_position_embeddings": 40960,
         "vocab_size": 151936,
         "hidden_size": 5120,
         "intermediate_size": 25600,
@@ -64,6 +76,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     # mistralai/Mixtral-8x7B-v0.1
     "Mixtral-8x7B": {
         "architectures": ["MixtralForCausalLM"],
+        "max_position_embeddings": 32768,
         "vocab_size": 32000,
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -76,6 +89,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V3 (main model; the checkpoint's extra MTP layer is not counted)
     "DeepSeek-V3": {
         "architectures": ["DeepseekV3ForCausalLM"],
+        "max_position_embeddings": 163840,
         "vocab_size": 129280,
         "hidden_size": 7168,
         "intermediate_size": 18432,
@@ -95,6 +109,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     # moonshotai/Kimi-K2-Instruct; Kimi K2.5/K2.6 share this text backbone (their text_config)
     "Kimi-K2": {
         "architectures": ["DeepseekV3ForCausalLM"],
+        "max_position_embeddings": 131072,
         "vocab_size": 163840,
         "hidden_size": 7168,
         "intermediate_size": 18432,
@@ -114,6 +129,7 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
     # zai-org/GLM-5 (transformers' GlmMoeDsaConfig defaults): MLA plus a DSA indexer with its own key cache
     "GLM-5": {
         "architectures": ["GlmMoeDsaForCausalLM"],
+        "max_position_embeddings": 202752,
         "vocab_size": 154880,
         "hidden_size": 6144,
         "intermediate_size": 12288,
@@ -136,33 +152,57 @@ NAMED_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class KVLayout:
-    """One token's cache entry: ``elements_per_layer`` values in each of ``num_layers`` layers.
+class KVEntry:
+    """One token's cache entry: the ``KVSpec`` the engine allocates with, and what it holds, for people.
 
-    ``shards`` is how many ways tensor parallelism can split those elements (the KV heads; 1 for MLA).
+    ``served``: False for an architecture the engine does not serve yet, whose entry is declared here.
     """
 
-    kind: str  # "gqa" or "mla"
-    num_layers: int
-    elements_per_layer: int
-    shards: int
-    detail: str = ""  # what the elements are, for people
+    spec: KVSpec
+    detail: str = ""
+    served: bool = True
+
+    @property
+    def kind(self) -> str:
+        return "mla" if self.spec.v_is_k else "gqa"
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def elements_per_layer(self) -> int:
+        return self.spec.tensors * self.spec.num_kv_heads * self.spec.head_dim
+
+    @property
+    def shards(self) -> int:
+        """How many ways tensor parallelism can split the entry: its KV heads (1 for MLA's latent)."""
+        return self.spec.num_kv_heads
 
     def bytes_per_token(self, kv_format: str, gpus: int = 1, page_size: int = 16) -> float:
-        """Bytes one token costs on one GPU of a ``gpus``-way tensor-parallel deployment."""
+        """Bytes one token costs on one GPU of a ``gpus``-way tensor-parallel deployment: one page of
+        the GPU's share of the KV heads (``KVSpec.page_bytes``, what ``KVCache`` allocates) per token."""
         if kv_format not in KV_FORMATS:
             raise ValueError(f"KV format must be one of {', '.join(KV_FORMATS)}, got {kv_format!r}")
-        elements = self.num_layers * self.elements_per_layer * _ceil_div(self.shards, gpus) / self.shards
-        if kv_format == "bf16":
-            return 2 * elements
-        return elements + 2 * self.num_layers * KV_SCALE_BYTES / page_size
+        per_gpu = replace(self.spec, num_kv_heads=_ceil_div(self.spec.num_kv_heads, gpus))
+        return per_gpu.page_bytes(page_size, KV_DTYPES[kv_format]) / page_size
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "num_layers": self.num_layers,
+            "elements_per_layer": self.elements_per_layer,
+            "detail": self.detail,
+            "served": self.served,
+            "spec": asdict(self.spec),
+        }
 
 
 @dataclass(frozen=True)
 class ModelShapes:
     name: str
     tensors: dict[str, tuple[int, ...]]
-    kv: KVLayout
+    kv: KVEntry
 
     @property
     def num_params(self) -> int:
@@ -228,7 +268,7 @@ def named_model(name: str) -> ModelShapes:
     """A model of ``NAMED_CONFIGS`` by name (case-insensitive)."""
     for known, config in NAMED_CONFIGS.items():
         if known.lower() == name.lower():
-            return ModelShapes(known, hf_tensor_shapes(config), kv_layout(config))
+            return ModelShapes(known, hf_tensor_shapes(config), kv_entry(config))
     raise ValueError(f"unknown model config {name!r}; known: {', '.join(NAMED_CONFIGS)}")
 
 
@@ -250,7 +290,7 @@ def checkpoint_model(path: str | Path) -> ModelShapes:
                 tensors[name.removesuffix("_packed")] = (*shape[:-1], shape[-1] * 2)
             elif not name.endswith(("_scale_inv", "_scale", "_zero")):
                 tensors[name] = shape
-    return ModelShapes(path.name, tensors, kv_layout(config))
+    return ModelShapes(path.name, tensors, kv_entry(config))
 
 
 def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
@@ -260,20 +300,31 @@ def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
 
 
-def kv_layout(config: dict[str, Any]) -> KVLayout:
-    """What one token's cache entry is, from a config.json."""
-    layers = int(config["num_hidden_layers"])
-    if config.get("kv_lora_rank"):
-        parts = {"latent": config["kv_lora_rank"], "rope key": config["qk_rope_head_dim"]}
-        if config.get("index_head_dim"):
-            parts["indexer key"] = config["index_head_dim"]
-        detail = " + ".join(f"{n} {name}" for name, n in parts.items())
-        return KVLayout("mla", layers, sum(parts.values()), shards=1, detail=detail)
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    detail = f"K and V x {kv_heads} KV heads x {head_dim}"
-    return KVLayout("gqa", layers, 2 * kv_heads * head_dim, shards=kv_heads, detail=detail)
+def kv_entry(config: dict[str, Any]) -> KVEntry:
+    """What one token's cache entry is for a config.json: the model class's own declaration."""
+    architecture = (config.get("architectures") or [""])[0]
+    if architecture == "GlmMoeDsaForCausalLM":
+        return _planned_dsa_entry(config)
+    model_config = ModelConfig.from_dict(config)  # ModelLoadError (a ValueError) names what is wrong
+    spec = MODEL_CLASSES[architecture].cache_entry(model_config)
+    if model_config.mla is not None:
+        detail = f"latent {model_config.mla.kv_lora_rank} + rope key {model_config.mla.qk_rope_head_dim}"
+    else:
+        detail = f"K and V x {spec.num_kv_heads} KV heads x {spec.head_dim}"
+    return KVEntry(spec, detail)
+
+
+def _planned_dsa_entry(config: dict[str, Any]) -> KVEntry:
+    """GLM-5's entry, declared here until the engine serves it: MLA's latent and rope key plus the DSA
+    indexer's key, one tensor per layer."""
+    parts = {
+        "latent": config["kv_lora_rank"],
+        "rope key": config["qk_rope_head_dim"],
+        "indexer key": config["index_head_dim"],
+    }
+    detail = " + ".join(f"{name} {n}" for name, n in parts.items()) + " (not served yet)"
+    spec = KVSpec(int(config["num_hidden_layers"]), 1, sum(parts.values()), v_is_k=True)
+    return KVEntry(spec, detail, served=False)
 
 
 def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -402,7 +453,7 @@ def report(
     return {
         "model": model.name,
         "params": model.num_params,
-        "kv_layout": asdict(model.kv),
+        "kv_layout": model.kv.summary(),
         "memory_gib_per_gpu": memory_gib,
         "reserve_gib_per_gpu": reserve_gib,
         "gpus": gpus,
