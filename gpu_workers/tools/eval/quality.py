@@ -10,7 +10,6 @@ several seeds. Variants are compared paired: same files, same prompts, same samp
 from __future__ import annotations
 
 import ast
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,13 +19,14 @@ import torch
 from tokenizers import Tokenizer
 
 from gpu_workers.engine import Engine, EngineConfig, SamplingParams
+from gpu_workers.tools.eval.bootstrap import estimate, file_resamples, pooled_quantile, ratio
+from gpu_workers.tools.eval.heldout import heldout_texts
 from gpu_workers.tools.eval.scoring import score_logprobs
 from gpu_workers.tools.metrics import next_token_metrics
-from gpu_workers.tools.train.data import eval_windows, stdlib_corpus, token_stream
+from gpu_workers.tools.train.data import eval_windows, token_stream
 
 BASELINES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 VARIANT_KEYS = {"kv": "kv_cache_dtype", "weights": "weights", "dtype": "dtype"}
-BOOTSTRAP_RESAMPLES = 1000
 
 
 @dataclass
@@ -74,17 +74,6 @@ def baseline_config(name: str) -> EngineConfig:
         raise ValueError(f"baseline must be one of {sorted(BASELINES)}, got {name!r}")
     # No prefix cache: every measurement is independent of what ran before it.
     return EngineConfig(dtype=BASELINES[name], weights="bf16", kv_cache_dtype="auto", prefix_cache=False)
-
-
-def heldout_texts(model_dir: Path, max_files: int | None) -> dict[str, str]:
-    """The held-out stdlib files (the training split's rule, ``train.data``), by relative path."""
-    percent = 3
-    record = model_dir / "training.json"
-    if record.exists():
-        percent = json.loads(record.read_text()).get("hyperparameters", {}).get("heldout_percent", 3)
-    corpus = stdlib_corpus(heldout_percent=percent)
-    files = corpus.heldout[:max_files] if max_files else corpus.heldout
-    return dict(zip(files, corpus.texts(files), strict=True))
 
 
 def greedy_prompts(tokenizer: Tokenizer, text: str, count: int, prompt_tokens: int) -> list[list[int]]:
@@ -155,7 +144,7 @@ class QualityRun:
         self.settings = settings
         self.log = log
         self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self.files = heldout_texts(self.model_dir, settings.max_files)
+        self.files = heldout_texts([self.model_dir], settings.max_files)
 
     def load(self, config: EngineConfig) -> Engine:
         return Engine.from_pretrained(self.model_dir, config)
@@ -219,9 +208,7 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
     """Point estimates and bootstrap 95% intervals (files resampled) for every variant."""
     base = stats["baseline"]
     num_files = len(base)
-    rng = np.random.default_rng(seed)
-    resamples = rng.integers(0, num_files, size=(BOOTSTRAP_RESAMPLES, num_files))
-    everything = np.arange(num_files)[None, :]
+    resamples = file_resamples(num_files, seed)
     tokens = np.array([len(f.nll) for f in base], dtype=float)
     base_nll = np.array([f.nll.sum() for f in base])
     out = {}
@@ -249,11 +236,7 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
         }
         result: dict = {}
         for name, stat in metrics.items():
-            point = float(stat(everything)[0])
-            lo, hi = np.percentile(stat(resamples), [2.5, 97.5])
-            # The percentile interval of a skewed statistic can miss the point by rounding; widen to it.
-            result[name] = point
-            result[f"{name}_ci95"] = [float(min(lo, point)), float(max(hi, point))]
+            result[name], result[f"{name}_ci95"] = estimate(stat, resamples)
         result["valid_python_per_seed"] = [
             sum(sum(f.valid[s]) for f in files) / max(sum(len(f.valid[s]) for f in files), 1)
             for s in range(len(files[0].valid))
@@ -266,26 +249,6 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
         )
         out[v] = result
     return out
-
-
-def ratio(
-    numerator: np.ndarray, denominator: np.ndarray, transform: Callable = lambda x: x
-) -> Callable[[np.ndarray], np.ndarray]:
-    """Statistic of file resamples idx [R, F]: transform(sum of numerators / sum of denominators)."""
-
-    def stat(idx: np.ndarray) -> np.ndarray:
-        return transform(numerator[idx].sum(-1) / np.maximum(denominator[idx].sum(-1), 1e-300))
-
-    return stat
-
-
-def pooled_quantile(per_file: list[np.ndarray], q: float) -> Callable[[np.ndarray], np.ndarray]:
-    """Statistic of file resamples idx [R, F]: the q-quantile of the resampled files' pooled tokens."""
-
-    def stat(idx: np.ndarray) -> np.ndarray:
-        return np.array([np.quantile(np.concatenate([per_file[i] for i in row]), q) for row in idx])
-
-    return stat
 
 
 def run_quality(
