@@ -1,4 +1,6 @@
-"""``tessera eval quality``: a model's memory-format variants measured against its baseline.
+"""``tessera eval``: ``quality`` (a model's memory-format variants against its baseline), ``lm`` (held-out
+loss of one or more models side by side, in bits per byte and by position) and ``completions`` (greedy
+completions of fixed function and class heads: the share that parses, repeated 4-grams).
 
 ``add_commands`` registers ``eval`` on the main parser's subcommands; gpu_workers (and torch) load only
 when the command runs. User errors raise ValueError, which ``tessera.cli.main`` prints without a traceback.
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tessera import SHIPPED_MODEL_DIR
-from tessera.cli.common import CliError
+from tessera.cli.common import CliError, parse_positive_int
 
 DEFAULT_VARIANTS = "kv=fp8_e4m3,weights=int4,weights=fp8"
 TABLE_METRICS = (
@@ -62,6 +64,75 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true", help="print one JSON object keyed by variant")
     q.set_defaults(func=cmd_eval_quality)
 
+    lm = evals.add_parser(
+        "lm",
+        help="held-out loss per model: nats/token, perplexity, bits per byte, loss by position bucket",
+        description="Score the held-out standard-library files (the training split's rule) with each "
+        "model, each at its own context (max_position_embeddings) unless --context is given, in one run: "
+        "nats per token, perplexity and bits per byte (tokenizer-independent) with bootstrap 95%% "
+        "intervals over files, the bits-per-byte change of every model against the first, and the mean "
+        "loss at positions 0-512, 512-1024, 1024-2048, ... of the files longer than the longest context.",
+    )
+    add_model_args(lm)
+    lm.add_argument(
+        "--context",
+        type=parse_positive_int,
+        metavar="N",
+        help="score every model at N tokens (default: each model's max_position_embeddings)",
+    )
+    lm.add_argument(
+        "--max-files", type=parse_positive_int, metavar="N", help="only the first N held-out files"
+    )
+    lm.add_argument("--json", action="store_true", help="print one JSON object")
+    lm.set_defaults(func=cmd_eval_lm)
+
+    comp = evals.add_parser(
+        "completions",
+        help="greedy completions of 20 fixed function and class heads: parse share, repeated 4-grams",
+        description="Complete each of 20 fixed Python function and class heads greedily (temperature 0, "
+        "float32, through the Engine) with each model; report the share that parses as Python for at "
+        "least two whole code lines after the head and the share of repeated 4-grams of tokens "
+        "(gpu_workers/tools/eval/completions.py defines both).",
+    )
+    add_model_args(comp)
+    comp.add_argument(
+        "--max-tokens",
+        type=parse_positive_int,
+        default=128,
+        metavar="N",
+        help="tokens per completion (default 128)",
+    )
+    comp.add_argument("--json", action="store_true", help="print one JSON object with every completion")
+    comp.set_defaults(func=cmd_eval_completions)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="checkpoint folder; repeat to compare models, the first is the reference (default pycode-tiny)",
+    )
+
+
+def model_dirs(args: argparse.Namespace) -> list[Path]:
+    """The --model folders, checked: each exists once and holds a config.json and a tokenizer.json."""
+    dirs = args.model or [SHIPPED_MODEL_DIR]
+    for d in dirs:
+        missing = [name for name in ("config.json", "tokenizer.json") if not (d / name).is_file()]
+        if not d.is_dir():
+            raise CliError(f"--model {d}: no such directory; expected a checkpoint folder", exit_code=2)
+        if missing:
+            raise CliError(
+                f"--model {d}: not a checkpoint folder (no {' or '.join(missing)} in it); expected a Hugging "
+                "Face folder with config.json, tokenizer.json and model.safetensors",
+                exit_code=2,
+            )
+    if len({str(d) for d in dirs}) < len(dirs):
+        raise CliError("each --model may be given once", exit_code=2)
+    return dirs
+
 
 def cmd_eval_quality(args: argparse.Namespace) -> int:
     import torch
@@ -108,5 +179,114 @@ def format_table(results: dict[str, dict]) -> str:
     lines.append(
         f"\n{first['files']} files, {first['tokens']} scored tokens, {first['greedy_prompts']} greedy prompts, "
         f"{first['completions']} sampled completions per variant; [95% bootstrap interval over files]"
+    )
+    return "\n".join(lines)
+
+
+def cmd_eval_lm(args: argparse.Namespace) -> int:
+    from gpu_workers.tools.eval.heldout import heldout_texts
+    from gpu_workers.tools.eval.lm import run_lm
+
+    dirs = model_dirs(args)
+    texts = heldout_texts(dirs, args.max_files)
+    results = run_lm(dirs, texts, args.context, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(results, indent=2) if args.json else format_lm(results))
+    return 0
+
+
+def format_lm(results: dict) -> str:
+    """Two markdown tables, one row per model: the held-out loss, and the loss by position bucket."""
+    models = results["models"]
+    lines = [
+        "| model | context | targets | nats/token | perplexity | bits/byte | Δ bpb vs first |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in models.items():
+        change = _with_ci(r, "bpb_change_pct", "{:+.2f}%") if "bpb_change_pct" in r else "(reference)"
+        cells = [
+            str(r["context"]),
+            str(r["targets"]),
+            _with_ci(r, "nats_per_token", "{:.4f}"),
+            _with_ci(r, "perplexity", "{:.2f}"),
+            _with_ci(r, "bits_per_byte", "{:.4f}"),
+            change,
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        f"\n{results['files']} held-out files, {results['bytes']} bytes; [95% bootstrap interval over files]"
+    )
+    if not results["bucket_files"]:
+        lines.append(
+            f"\nloss by position: no held-out file is longer than {results['bucket_context']} tokens"
+        )
+        return "\n".join(lines)
+    ranges = max((r["position_buckets"] for r in models.values()), key=len)
+    header = [f"{b['positions'][0]}–{b['positions'][1]}" for b in ranges]
+    lines += [
+        "\n| model | " + " | ".join(header) + " | last − first |",
+        "|---" * (len(header) + 2) + "|",
+    ]
+    for name, r in models.items():
+        buckets = r["position_buckets"]
+        cells = [_with_ci(b, "loss", "{:.4f}") for b in buckets] + [""] * (len(header) - len(buckets))
+        last = buckets[-1]
+        cells.append(_with_ci(last, "minus_first", "{:+.4f}") if "minus_first" in last else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        f"\nmean loss (nats/token) by position in the file, over the first window of the "
+        f"{len(results['bucket_files'])} files longer than {results['bucket_context']} tokens: "
+        + ", ".join(results["bucket_files"])
+    )
+    return "\n".join(lines)
+
+
+def _with_ci(r: dict, key: str, fmt: str) -> str:
+    lo, hi = r[f"{key}_ci95"]
+    return f"{fmt.format(r[key])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def head_label(head: str) -> str:
+    """A head on one line: its class, decorator and def lines (the first line if it has none)."""
+    keep = [
+        line.strip()
+        for line in head.splitlines()
+        if line.strip().startswith(("def ", "async def ", "class ", "@"))
+    ]
+    label = " ".join(keep or head.splitlines()[:1])
+    return (label if len(label) <= 70 else label[:69] + "…").replace("|", "\\|")
+
+
+def cmd_eval_completions(args: argparse.Namespace) -> int:
+    from gpu_workers.tools.eval.completions import run_completions
+
+    results = run_completions(model_dirs(args), args.max_tokens, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(results, indent=2) if args.json else format_completions(results))
+    return 0
+
+
+def format_completions(results: dict) -> str:
+    """A summary table with one column per model, then each head's outcome per model."""
+    models = results["models"]
+    names = list(models)
+    lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    rows = (
+        ("parses (≥ 2 code lines)", lambda r: f"{r['parses']}/{r['heads']} ({r['parse_share']:.0%})"),
+        ("repeated 4-grams", lambda r: f"{r['repeated_4gram_share']:.3f}"),
+        ("tokens per completion", lambda r: f"{r['tokens_mean']:.1f}"),
+        ("ended by end-of-file", lambda r: f"{r['ended_by_eos']}/{r['heads']}"),
+    )
+    for label, cell in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(models[n]) for n in names) + " |")
+    lines += ["\n| head | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i, completion in enumerate(models[names[0]]["completions"]):
+        cells = []
+        for n in names:
+            c = models[n]["completions"][i]
+            share = c["repeated_4grams"] / c["4grams"] if c["4grams"] else 0.0
+            cells.append(f"{'✓' if c['parses'] else '✗'} {c['lines_parsed']} lines, rep {share:.2f}")
+        lines.append(f"| {i + 1}. `{head_label(completion['head'])}` | " + " | ".join(cells) + " |")
+    lines.append(
+        f"\n{len(models[names[0]]['completions'])} heads, greedy, up to {results['max_tokens']} tokens; "
+        "lines = code lines after the head that still parse; rep = repeated 4-gram share of the completion"
     )
     return "\n".join(lines)
