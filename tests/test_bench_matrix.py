@@ -17,6 +17,7 @@ from tessera.bench.matrix import (
     AXES,
     MatrixSpec,
     cost_per_million,
+    figures,
     held_concurrency,
     plan,
     queued,
@@ -105,6 +106,7 @@ BUDGET = 3 * 2**20
 CONCURRENCY = (1, 3)
 PER_CLIENT = 2
 OUTPUT_LEN = 8
+REPEATS = 2
 
 
 @pytest.fixture(scope="module")
@@ -146,44 +148,79 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         "--requests-per-client",
         str(PER_CLIENT),
     ]
-    command += ["--kv-budget-bytes", str(BUDGET), "--json", str(out)]
+    command += ["--kv-budget-bytes", str(BUDGET), "--repeats", str(REPEATS), "--json", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{up.output}"
     assert "decode KV format" in done.stdout and "KV integrity check" in done.stdout
+    assert "x (" in done.stdout and "–" in done.stdout  # ratios print "mean (low–high)"
     report = json.loads(out.read_text())
+    assert report["repeats"] == REPEATS and len(report["runs"]) == 3  # bf16 KV, fp8 KV, fp8 + integrity off
 
-    # Each (axis, variant) ran on workers that reported serving exactly its config, before and after its load.
+    # Each (axis, variant) ran on workers that reported serving exactly its config, before and after its load,
+    # in every repeat.
     for axis in ("kv", "integrity"):
         for variant in AXES[axis].variants:
             run = report["runs"][report["axes"][axis]["variants"][variant.name]]
             config = run["config"]
             assert {k: config[k] for k in variant.changes} == variant.changes
             assert config["kv_budget_bytes"] == BUDGET
-            for served in (run["served"], run["served_after"]):
-                assert served["decode"]["kv_formats"] == [config["decode_kv"]]
-                for pool in ("prefill", "decode"):
-                    assert served[pool]["live_workers"] == 1
-                    assert served[pool]["integrity_check"] == [config["integrity_check"]]
-                    assert served[pool]["config_versions"] == [run["config_version"]]
+            for repeat in run["repeats"]:
+                for served in (repeat["served"], repeat["served_after"]):
+                    assert served["decode"]["kv_formats"] == [config["decode_kv"]]
+                    for pool in ("prefill", "decode"):
+                        assert served[pool]["live_workers"] == 1
+                        assert served[pool]["integrity_check"] == [config["integrity_check"]]
+                        assert served[pool]["config_versions"] == [repeat["config_version"]]
     pages = {
-        run["config"]["decode_kv"]: run["served"]["decode"]["kv_pages_total"][0] for run in report["runs"]
+        run["config"]["decode_kv"]: run["repeats"][0]["served"]["decode"]["kv_pages_total"][0]
+        for run in report["runs"]
     }
     assert pages["fp8_e4m3"] > 1.9 * pages["bf16"]  # one budget: FP8 pages are half the bytes
 
-    # Every level: all sent requests accounted for, exactly output_len tokens each, ordered percentiles.
+    # Interleaved: every configuration once per repeat, in the same order (A B C, A B C), each with fresh prompts.
+    ran = sorted(
+        (rep["started_s"], rep["ended_s"], rep["repeat"], i)
+        for i, run in enumerate(report["runs"])
+        for rep in run["repeats"]
+    )
+    assert [(r, i) for _, _, r, i in ran] == [(r, i) for r in range(REPEATS) for i in range(3)]
+    assert all(a[1] <= b[0] for a, b in zip(ran, ran[1:], strict=False))  # one at a time
+    assert len({rep["seed"] for run in report["runs"] for rep in run["repeats"]}) == REPEATS
+
+    # Every level, of every repeat and pooled: all sent requests accounted for, exactly output_len tokens each,
+    # ordered percentiles.
     for run in report["runs"]:
-        assert [lv["concurrency"] for lv in run["levels"]] == list(CONCURRENCY)
-        for lv in run["levels"]:
-            failed = sum(lv["failures"].values())
-            assert lv["requests"] == lv["concurrency"] * PER_CLIENT == lv["completed"] + failed
-            assert failed == 0, lv["failures"]
-            assert lv["output_tokens"] == lv["completed"] * OUTPUT_LEN
-            for metric in ("ttft_ms", "e2el_ms"):
-                assert lv[metric]["p50"] <= lv[metric]["p95"] <= lv[metric]["p99"]
-            assert lv["heartbeats_seen"] >= 1
-        assert run["held_concurrency"] in (None, *CONCURRENCY)
-        assert run["peak_output_throughput"] == max(lv["output_throughput"] for lv in run["levels"])
-        assert run["cost_per_mtok_usd"] > 0
+        for part, repeats in ((run, REPEATS), *((rep, 1) for rep in run["repeats"])):
+            assert [lv["concurrency"] for lv in part["levels"]] == list(CONCURRENCY)
+            for lv in part["levels"]:
+                failed = sum(lv["failures"].values())
+                assert lv["requests"] == lv["concurrency"] * PER_CLIENT * repeats == lv["completed"] + failed
+                assert failed == 0, lv["failures"]
+                assert lv["output_tokens"] == lv["completed"] * OUTPUT_LEN
+                for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+                    assert lv[metric]["p50"] <= lv[metric]["p95"] <= lv[metric]["p99"]
+                assert lv["heartbeats_seen"] >= 1
+            assert part["held_concurrency"] in (None, *CONCURRENCY)
+            assert part["peak_output_throughput"] == max(lv["output_throughput"] for lv in part["levels"])
+            assert part["cost_per_mtok_usd"] > 0
+        # Pooled held is held in every repeat.
+        for i, lv in enumerate(run["levels"]):
+            assert lv["held"] == all(rep["levels"][i]["held"] for rep in run["repeats"])
+        # Intervals: each figure's per-repeat values, their mean inside its interval.
+        per_repeat = [figures(rep) for rep in run["repeats"]]
+        assert set(run["stats"]) == set(per_repeat[0]) >= {"output_throughput@3", "ttft_ms.p95@1"}
+        for name, stat in run["stats"].items():
+            assert stat["values"] == [pytest.approx(f[name], abs=1e-4) for f in per_repeat]
+            assert stat["ci95"][0] <= stat["mean"] <= stat["ci95"][1]
+    # Ratios against the baseline are paired by repeat: the mean of repeat-by-repeat ratios.
+    kv = report["axes"]["kv"]
+    fp8, bf16 = (report["runs"][kv["variants"][n]]["repeats"] for n in ("fp8_e4m3", "bf16"))
+    peak = kv["ratios"]["fp8_e4m3"]["peak_output_throughput"]
+    paired = [
+        a["peak_output_throughput"] / b["peak_output_throughput"] for a, b in zip(fp8, bf16, strict=True)
+    ]
+    assert peak["values"] == [pytest.approx(r, abs=1e-4) for r in paired]
+    assert peak["mean"] == pytest.approx(sum(paired) / REPEATS, abs=1e-4)
 
     # The client's token counts are the server's usage, and the ledger holds the same.
     totals = report["totals"]

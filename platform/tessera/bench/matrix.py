@@ -15,6 +15,12 @@ not queueing. A configuration's *held concurrency* is the highest level held wit
 Cost per million output tokens: ``--worker-usd-per-hour`` times the deployment's live workers times the
 level's duration, over its output tokens, at the configuration's peak level; beside it what the server billed
 per million output tokens (``usage.cost_details`` in its responses: the price book, rounded per request).
+
+With ``repeats`` > 1 every configuration runs once per repeat, in turn (A B C, A B C, ...), so drift in the
+machine's load hits them alike; each repeat sends prompts of its own. A run's levels pool its repeats (held:
+held in every repeat), ``repeats`` keeps each repeat's report, ``stats`` the mean of each figure with a 95%
+Student-t interval, and each axis' ``ratios`` the interval of variant / baseline over the per-repeat ratios.
+The report's layout is ``schemas/matrix.schema.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import httpx
 
 from tessera.bench import BenchError
 from tessera.bench.console import print_report, progress
-from tessera.bench.serve import Outcome, Workload, closed_loop, prompts, summarize
+from tessera.bench.serve import Outcome, Workload, closed_loop, metric, prompts, summarize
+from tessera.bench.stats import INTERVAL_METHOD, format_interval, mean_interval, ratio_interval
 
 # A round placeholder, not a market price: pass your accelerator's hourly price.
 DEFAULT_WORKER_USD_PER_HOUR = 2.0
@@ -53,6 +60,18 @@ MODE_UNSUPPORTED = (
     "the mode with `tessera deployments update --mode`, start that mode's workers, and run the matrix once "
     "per mode"
 )
+# Figures of each level that get an interval over repeats (``serve.metric`` names), keyed "name@concurrency".
+LEVEL_STAT_METRICS = (
+    "output_throughput",
+    "request_throughput",
+    "ttft_ms.p50",
+    "ttft_ms.p95",
+    "tpot_ms.p50",
+    "tpot_ms.p95",
+    "itl_ms.p95",
+    "e2el_ms.p95",
+)
+RUN_STAT_METRICS = ("peak_output_throughput", "cost_per_mtok_usd", "prefill_throughput")
 CONFIG_FIELDS = (
     "dtype",
     "kv_budget_bytes",
@@ -129,6 +148,7 @@ class MatrixSpec:
     vocab: int = 1000
     seed: int | None = None  # default: a new one per run, so no prompt hits a cache an earlier run filled
     reload_timeout_s: float = RELOAD_TIMEOUT_S
+    repeats: int = 1
 
 
 # --- arithmetic ----------------------------------------------------------------------------------------------
@@ -338,46 +358,48 @@ def level_report(
     concurrency: int,
     outcomes: list[Outcome],
     duration: float,
-    watch: LevelWatch,
+    watches: list[LevelWatch],
     kv_pools: set[str],
     pages_needed: int,
     max_num_seqs: int,
-    workers: int,
+    worker_seconds: float,
     usd_per_hour: float,
 ) -> dict:
-    """One level: ``summarize``'s metrics, what the KV pool showed, and its cost."""
+    """One level (of one repeat, or pooled over repeats: their outcomes, total duration, every watch):
+    ``summarize``'s metrics, what the KV pool showed, and its cost."""
     summary = summarize(outcomes, duration, {})
-    preemptions = {
-        wid: w["preemptions"] - watch.before[wid]["preemptions"]
+    preemptions = [
+        w["preemptions"] - watch.before[wid]["preemptions"]
+        for watch in watches
         for wid, w in watch.after.items()
         if wid in watch.before and w["pool"] in kv_pools
-    }
+    ]
     seen: set[tuple[str, Any]] = set()
     queued_heartbeats, max_waiting = 0, 0
-    for sample in watch.samples:
+    for sample in (sample for watch in watches for sample in watch.samples):
         for wid, w in sample.items():
             if w["pool"] not in kv_pools or (wid, w["last_seen"]) in seen:
                 continue
             seen.add((wid, w["last_seen"]))
             max_waiting = max(max_waiting, w["waiting"])
             queued_heartbeats += queued(w, pages_needed, max_num_seqs)
-    kv_used = [w["kv_pages_used"] / w["kv_pages_total"] for s in watch.samples for w in s.values()
-               if w["pool"] in kv_pools and w["kv_pages_total"]]  # fmt: skip
+    kv_used = [w["kv_pages_used"] / w["kv_pages_total"] for watch in watches for s in watch.samples
+               for w in s.values() if w["pool"] in kv_pools and w["kv_pages_total"]]  # fmt: skip
     billed = sum(o.output_cost_usd for o in outcomes if o.status == "ok")
     return {
         "concurrency": concurrency,
         **summary,
-        "preemptions": sum(preemptions.values()),
+        "preemptions": sum(preemptions),
         "heartbeats_seen": len(seen),
         "queued_heartbeats": queued_heartbeats,
         "max_waiting": max_waiting,
         "max_kv_pages_used_share": round(max(kv_used), 3) if kv_used else None,
         "held": summary["completed"] == summary["requests"]
-        and not sum(preemptions.values())
+        and not sum(preemptions)
         and not queued_heartbeats,
-        "worker_seconds": round(workers * duration, 3),
+        "worker_seconds": round(worker_seconds, 3),
         "cost_per_mtok_usd": _round(
-            cost_per_million(usd_per_hour, workers, duration, summary["output_tokens"]), 4
+            cost_per_million(usd_per_hour, 1, worker_seconds, summary["output_tokens"]), 4
         ),
         "billed_output_usd": round(billed, 6),
     }
@@ -388,12 +410,25 @@ def _round(value: float | None, ndigits: int) -> float | None:
 
 
 @dataclass
+class Measured:
+    """One repeat of one run: its report, and what pooling the repeats takes (outcomes, durations, watches)."""
+
+    report: dict
+    levels: list[tuple[list[Outcome], float, LevelWatch]]
+    prefill: tuple[list[Outcome], float] | None
+    kv_pools: set[str]
+    pages_needed: int
+    max_num_seqs: int
+
+
+@dataclass
 class Run:
-    """One configuration under one workload: what the matrix measures once, whatever axes share it."""
+    """One configuration under one workload: what the matrix measures once per repeat, whatever axes share it."""
 
     config: dict[str, Any]
     shared_prefix: bool
     prefill_probe: bool = False
+    measured: list[Measured] = field(default_factory=list)
     report: dict | None = None
 
     def key(self) -> tuple:
@@ -454,6 +489,7 @@ class Matrix:
         self.seed = spec.seed if spec.seed is not None else random.randrange(2**31)
         self.all_outcomes: list[Outcome] = []
         self.restored: dict | None = None
+        self.started = time.monotonic()
 
     def apply(self, config: dict, expected_pools: set[str]) -> tuple[int, list[dict]]:
         """PATCH ``config`` and wait for every worker to serve it; (version, pools)."""
@@ -480,27 +516,32 @@ class Matrix:
                 "context and the deployment's max_tokens_limit, and --kv-budget-bytes against one request"
             )
 
-    def measure(self, run: Run, tick: Callable[[], None]) -> dict:
+    def workload(self, run: Run, repeat: int) -> Workload:
         s = self.spec
+        return Workload(
+            s.deployment,
+            s.input_len,
+            s.output_len,
+            shared_prefix_len=(s.shared_prefix_len or s.input_len * 3 // 4) if run.shared_prefix else 0,
+            vocab=s.vocab,
+            seed=self.seed + 2 * repeat,  # the prefill probe's is seed + 1: every repeat's prompts are fresh
+        )
+
+    def measure(self, run: Run, repeat: int, tick: Callable[[], None]) -> Measured:
+        s = self.spec
+        started = time.monotonic() - self.started
         deployment = self.admin.deployment(s.deployment)
         colocated = deployment["mode"] == "colocated"
         expected = {"serve"} if colocated else {"prefill", "decode"}
         version, pools = self.apply(run.config, expected)
         workers = sum(p["live_workers"] for p in pools)
         kv_pools = {"serve"} if colocated else {"decode"}
-        workload = Workload(
-            s.deployment,
-            s.input_len,
-            s.output_len,
-            shared_prefix_len=(s.shared_prefix_len or s.input_len * 3 // 4) if run.shared_prefix else 0,
-            vocab=s.vocab,
-            seed=self.seed,
-        )
+        workload = self.workload(run, repeat)
         sizes = [c * s.requests_per_client for c in s.concurrency]
         batch = prompts(workload, 1 + sum(sizes), tenants=1)  # one shared prefix, every prompt unique
         self.send_once(workload, batch[0], "warm-up")  # also puts the shared prefix in the cache
         pages_needed = pages_for(s.input_len + 1, deployment["page_size"])
-        levels, start = [], 1
+        measured, levels, start = [], [], 1
         for c, size in zip(s.concurrency, sizes, strict=True):
             outcomes, duration, watch = asyncio.run(
                 watched_level(
@@ -516,34 +557,38 @@ class Matrix:
             )
             start += size
             self.all_outcomes += outcomes
+            measured.append((outcomes, duration, watch))
             levels.append(
                 level_report(
                     c,
                     outcomes,
                     duration,
-                    watch,
+                    [watch],
                     kv_pools,
                     pages_needed,
                     deployment["max_num_seqs"],
-                    workers,
+                    workers * duration,
                     s.worker_usd_per_hour,
-                )  # fmt: skip
+                )
             )
+        prefill = self.prefill(workload, tick) if run.prefill_probe else None
         report = {
-            "config": run.config,
-            "workload": asdict(workload),
+            "repeat": repeat,
+            "seed": workload.seed,
+            "started_s": round(started, 3),
             "config_version": version,
             "served": _served(pools),
             "workers": workers,
             "levels": levels,
             **config_summary(levels),
-            "prefill": self.prefill(workload, tick) if run.prefill_probe else None,
+            "prefill": None if prefill is None else prefill_report(*prefill),
         }
         report["served_after"] = _served(self.admin.pools(s.deployment))
-        return report
+        report["ended_s"] = round(time.monotonic() - self.started, 3)
+        return Measured(report, measured, prefill, kv_pools, pages_needed, deployment["max_num_seqs"])
 
-    def prefill(self, workload: Workload, tick: Callable[[], None]) -> dict:
-        """Prompt tokens per second over prompt-only requests (one output token), a few at once."""
+    def prefill(self, workload: Workload, tick: Callable[[], None]) -> tuple[list[Outcome], float]:
+        """Prompt-only requests (one output token), a few at once: their outcomes and duration."""
         s = self.spec
         probe = replace(workload, input_len=s.prefill_len or s.input_len, output_len=1, shared_prefix_len=0,
                         seed=workload.seed + 1)  # fmt: skip
@@ -552,19 +597,7 @@ class Matrix:
             closed_loop(s.url, [s.api_key], probe, batch, PREFILL_CONCURRENCY, tick)
         )
         self.all_outcomes += outcomes
-        ok = [o for o in outcomes if o.status == "ok"]
-        fresh = sum(o.prompt_tokens - o.cached_tokens for o in ok)
-        ttfts = [o.ttft for o in ok if o.ttft is not None]
-        return {
-            "input_len": probe.input_len,
-            "requests": len(outcomes),
-            "completed": len(ok),
-            "concurrency": PREFILL_CONCURRENCY,
-            "prompt_tokens": sum(o.prompt_tokens for o in ok),
-            "fresh_prompt_tokens": fresh,
-            "prefill_throughput": round(fresh / duration, 1),
-            "ttft_ms_mean": round(1000 * sum(ttfts) / len(ttfts), 2) if ttfts else None,
-        }
+        return outcomes, duration
 
     def restore(self, original: dict) -> None:
         wanted = {k: original[k] for k in CONFIG_FIELDS}
@@ -574,6 +607,85 @@ class Matrix:
             print(f"restoring the original config of {self.spec.deployment}", file=sys.stderr)
             self.apply(wanted, expected)
         self.restored = {k: self.admin.deployment(self.spec.deployment)[k] for k in CONFIG_FIELDS}
+
+
+def prefill_report(outcomes: list[Outcome], duration: float) -> dict:
+    """Prefill tok/s: fresh (uncached) prompt tokens over the probe's duration."""
+    ok = [o for o in outcomes if o.status == "ok"]
+    fresh = sum(o.prompt_tokens - o.cached_tokens for o in ok)
+    ttfts = [o.ttft for o in ok if o.ttft is not None]
+    return {
+        "input_len": ok[0].prompt_tokens if ok else None,
+        "requests": len(outcomes),
+        "completed": len(ok),
+        "concurrency": PREFILL_CONCURRENCY,
+        "duration_s": round(duration, 3),
+        "prompt_tokens": sum(o.prompt_tokens for o in ok),
+        "fresh_prompt_tokens": fresh,
+        "prefill_throughput": round(fresh / duration, 1),
+        "ttft_ms_mean": round(1000 * sum(ttfts) / len(ttfts), 2) if ttfts else None,
+    }
+
+
+def figures(report: dict) -> dict[str, float | None]:
+    """One repeat's figures that get intervals: ``LEVEL_STAT_METRICS`` per level, ``RUN_STAT_METRICS``."""
+    out = {
+        f"{name}@{lv['concurrency']}": metric(lv, name)
+        for lv in report["levels"]
+        for name in LEVEL_STAT_METRICS
+    }
+    out["peak_output_throughput"] = report["peak_output_throughput"]
+    out["cost_per_mtok_usd"] = report["cost_per_mtok_usd"]
+    if report["prefill"] is not None:
+        out["prefill_throughput"] = report["prefill"]["prefill_throughput"]
+    return out
+
+
+def pooled_run(run: Run, workload: dict, usd_per_hour: float) -> dict:
+    """A run's report: its levels pooled over repeats (held in all of them is held pooled: counts add up), each
+    repeat's report, and the figures' intervals."""
+    first = run.measured[0]
+    levels = []
+    for i, c in enumerate(lv["concurrency"] for lv in first.report["levels"]):
+        parts = [m.levels[i] for m in run.measured]
+        worker_seconds = sum(m.report["levels"][i]["worker_seconds"] for m in run.measured)
+        levels.append(
+            level_report(
+                c,
+                [o for outcomes, _, _ in parts for o in outcomes],
+                sum(d for _, d, _ in parts),
+                [w for _, _, w in parts],
+                first.kv_pools,
+                first.pages_needed,
+                first.max_num_seqs,
+                worker_seconds,
+                usd_per_hour,
+            )
+        )
+    prefill = None
+    if run.prefill_probe:
+        outcomes = [o for m in run.measured for o in m.prefill[0]]
+        prefill = prefill_report(outcomes, sum(m.prefill[1] for m in run.measured))
+    per_repeat = [figures(m.report) for m in run.measured]
+    return {
+        "config": run.config,
+        "workload": workload,
+        "workers": first.report["workers"],
+        "levels": levels,
+        **config_summary(levels),
+        "prefill": prefill,
+        "stats": {name: mean_interval([f.get(name) for f in per_repeat]) for name in per_repeat[0]},
+        "repeats": [m.report for m in run.measured],
+    }
+
+
+def axis_ratios(runs: list[dict], baseline: int, variant: int) -> dict[str, dict | None]:
+    """Per figure, the interval of variant / baseline over repeats, each repeat's pair run back to back."""
+    per = [[figures(r) for r in runs[i]["repeats"]] for i in (variant, baseline)]
+    return {
+        name: ratio_interval([f.get(name) for f in per[0]], [f.get(name) for f in per[1]])
+        for name in per[1][0]
+    }
 
 
 def config_summary(levels: list[dict]) -> dict:
@@ -622,13 +734,17 @@ def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None =
                 spec.prefill_requests for r in runs if r.prefill_probe
             )
             try:
-                with progress(total) as tick:
-                    for run in runs:
-                        run.report = matrix.measure(run, tick)
+                with progress(total * spec.repeats) as tick:
+                    for repeat in range(spec.repeats):  # A B C, A B C: drift hits every configuration alike
+                        for run in runs:
+                            run.measured.append(matrix.measure(run, repeat, tick))
             finally:
                 matrix.restore(original)
         finally:
             matrix.admin.close()
+    for run in runs:
+        run.report = pooled_run(run, asdict(matrix.workload(run, 0)), spec.worker_usd_per_hour)
+    reports = [run.report for run in runs]
     ok = [o for o in matrix.all_outcomes if o.status == "ok"]
     report = {
         "url": spec.url,
@@ -642,6 +758,8 @@ def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None =
         "input_len": spec.input_len,
         "output_len": spec.output_len,
         "requests_per_client": spec.requests_per_client,
+        "repeats": spec.repeats,
+        "interval": INTERVAL_METHOD,
         "seed": matrix.seed,
         "worker_usd_per_hour": spec.worker_usd_per_hour,
         "axes": {
@@ -649,10 +767,14 @@ def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None =
                 "title": AXES[name].title,
                 "baseline": AXES[name].variants[0].name,
                 "variants": {v.name: of[(name, v.name)] for v in AXES[name].variants},
+                "ratios": {
+                    v.name: axis_ratios(reports, of[(name, AXES[name].variants[0].name)], of[(name, v.name)])
+                    for v in AXES[name].variants[1:]
+                },
             }
             for name in spec.axes
         },
-        "runs": [run.report for run in runs],
+        "runs": reports,
         "totals": {  # everything sent, warm-ups and prefill probes included: what the ledger should hold
             "requests": len(matrix.all_outcomes),
             "completed": len(ok),
@@ -674,38 +796,33 @@ def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None =
 # --- tables --------------------------------------------------------------------------------------------------
 
 
-def axis_rows(report: dict, axis: str) -> tuple[list[str], list[tuple[str, list[float | None], str]]]:
-    """(variant names, rows of (label, value per variant, format)) for one axis's table."""
-    spec = report["axes"][axis]
-    names = list(spec["variants"])
-    runs = [report["runs"][spec["variants"][n]] for n in names]
-    top = max(report["concurrency"])
+# A table row: its label, then a ``stats`` key (printed "mean (low–high)", its ratio paired by repeat) or a
+# function of a pooled run (held concurrency, counts: figures with no interval), then its format.
+Row = tuple[str, str | Callable[[dict], float | None], str]
+
+
+def axis_rows(report: dict, axis: str) -> list[Row]:
+    """The rows of one axis' table."""
+    concurrency = report["concurrency"]
+    top = max(concurrency)
 
     def at(run: dict, c: int) -> dict:
         return next(lv for lv in run["levels"] if lv["concurrency"] == c)
 
-    def pct(run: dict, c: int, metric: str, p: str) -> float | None:
-        return (at(run, c)[metric] or {}).get(p)
-
-    rows: list[tuple[str, list[float | None], str]] = []
-    for c in report["concurrency"]:
-        rows.append((f"out tok/s c={c}", [at(r, c)["output_throughput"] for r in runs], ".1f"))
-    rows.append(("peak out tok/s", [r["peak_output_throughput"] for r in runs], ".1f"))
-    rows.append(("held c (no preemption/queue)", [r["held_concurrency"] for r in runs], "d"))
-    rows.append(
-        ("preemptions (all levels)", [sum(lv["preemptions"] for lv in r["levels"]) for r in runs], "d")
-    )
+    rows: list[Row] = [(f"out tok/s c={c}", f"output_throughput@{c}", ".1f") for c in concurrency]
+    rows.append(("peak out tok/s", "peak_output_throughput", ".1f"))
+    rows.append(("held c (no preemption/queue)", lambda r: r["held_concurrency"], "d"))
+    rows.append(("preemptions (all levels)", lambda r: sum(lv["preemptions"] for lv in r["levels"]), "d"))
     if axis == "prefix":
-        for c in report["concurrency"]:
-            rows.append((f"TTFT p50 ms c={c}", [pct(r, c, "ttft_ms", "p50") for r in runs], ".1f"))
-        rows.append(("cached share", [at(r, top)["cached_token_share"] for r in runs], ".2f"))
-    rows.append((f"TTFT p95 ms c={top}", [pct(r, top, "ttft_ms", "p95") for r in runs], ".1f"))
-    rows.append((f"TPOT p95 ms c={top}", [pct(r, top, "tpot_ms", "p95") for r in runs], ".2f"))
+        rows += [(f"TTFT p50 ms c={c}", f"ttft_ms.p50@{c}", ".1f") for c in concurrency]
+        rows.append(("cached share", lambda r: at(r, top)["cached_token_share"], ".2f"))
+    rows.append((f"TTFT p95 ms c={top}", f"ttft_ms.p95@{top}", ".1f"))
+    rows.append((f"TPOT p95 ms c={top}", f"tpot_ms.p95@{top}", ".2f"))
     if axis == "weights":
-        rows.append(("prefill tok/s", [(r["prefill"] or {}).get("prefill_throughput") for r in runs], ".1f"))
-    rows.append(("$/M out (worker-s, peak)", [r["cost_per_mtok_usd"] for r in runs], ".3f"))
-    rows.append(("billed $/M out", [r["billed_output_usd_per_mtok"] for r in runs], ".4f"))
-    return names, rows
+        rows.append(("prefill tok/s", "prefill_throughput", ".1f"))
+    rows.append(("$/M out (worker-s, peak)", "cost_per_mtok_usd", ".3f"))
+    rows.append(("billed $/M out", lambda r: r["billed_output_usd_per_mtok"], ".4f"))
+    return rows
 
 
 def ratio(value: float | None, base: float | None) -> float | None:
@@ -719,7 +836,8 @@ def tables(report: dict) -> list:
 
     out: list = []
     for axis, spec in report["axes"].items():
-        names, rows = axis_rows(report, axis)
+        names = list(spec["variants"])
+        runs = [report["runs"][spec["variants"][n]] for n in names]
         base = spec["baseline"]
         table = Table(title=f"tessera bench matrix: {spec['title']} ({report['deployment']})")
         table.add_column("metric")
@@ -727,19 +845,29 @@ def tables(report: dict) -> list:
             table.add_column(name, justify="right")
         for name in names[1:]:
             table.add_column(f"{name} / {base}", justify="right")
-        for label, values, fmt in rows:
-            cells = ["-" if v is None else format(v, fmt) for v in values]
-            ratios = [ratio(v, values[0]) for v in values[1:]]
-            table.add_row(label, *cells, *("-" if r is None else f"{r:.2f}x" for r in ratios))
+        for label, figure, fmt in axis_rows(report, axis):
+            if isinstance(figure, str):
+                cells = [format_interval(run["stats"].get(figure), fmt) for run in runs]
+                ratios = [format_interval(spec["ratios"][n].get(figure), ".2f", "x") for n in names[1:]]
+            else:
+                values = [figure(run) for run in runs]
+                cells = ["-" if v is None else format(v, fmt) for v in values]
+                ratios = ["-" if (r := ratio(v, values[0])) is None else f"{r:.2f}x" for v in values[1:]]
+            table.add_row(label, *cells, *ratios)
         out.append(table)
-        if axis == "integrity":
-            off, on = (report["runs"][spec["variants"][n]]["peak_output_throughput"] for n in ("off", "on"))
-            out.append(f"integrity check overhead at peak: {100 * (1 - on / off):+.1f}% of output tok/s")
+        if axis == "integrity" and (peak := spec["ratios"]["on"]["peak_output_throughput"]):
+            overhead = f"{100 * (1 - peak['mean']):+.1f}%"
+            if peak["ci95"]:
+                low, high = (100 * (1 - r) for r in reversed(peak["ci95"]))
+                overhead += f" ({low:+.1f}–{high:+.1f})"
+            out.append(f"integrity check overhead at peak: {overhead} of output tok/s")
     out.append(
         f"input {report['input_len']} tokens, output {report['output_len']}, {report['requests_per_client']} "
         f"requests per client per level; kv_budget_bytes {report['kv_budget_bytes']} per worker "
-        f"({report['mode']}, dtype {report['dtype']}); worker ${report['worker_usd_per_hour']}/h; original config restored: "
-        f"{report['restored_config'] == report['original_config']}"
+        f"({report['mode']}, dtype {report['dtype']}); worker ${report['worker_usd_per_hour']}/h; "
+        f"{report['repeats']} repeat(s), configurations in turn per repeat"
+        + (f"; figures: {report['interval']}" if report["repeats"] > 1 else "")
+        + f"; original config restored: {report['restored_config'] == report['original_config']}"
     )
     return out
 

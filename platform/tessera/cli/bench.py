@@ -351,6 +351,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     matrix.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [10, VOCAB)")
     matrix.add_argument("--seed", type=int, help="prompt seed (default: new each run, so no cache is warm)")
+    matrix.add_argument(
+        "--repeats",
+        type=parse_positive_int,
+        default=1,
+        help="run every configuration this many times, in turn per repeat (A B C, A B C); figures get the mean "
+        "and a 95%% t-interval over repeats, ratios the interval of the per-repeat ratios (default 1)",
+    )
     matrix.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
     matrix.add_argument("--plot", type=Path, metavar="FILE.png", help="plot output tok/s vs load per axis")
     matrix.set_defaults(func=cmd_matrix)
@@ -634,5 +641,6 @@ def cmd_matrix(args: argparse.Namespace) -> None:
         vocab=args.vocab,
         seed=args.seed,
         reload_timeout_s=args.reload_timeout,
+        repeats=args.repeats,
     )
     run_matrix(spec, json_path=args.json, plot_path=args.plot)
