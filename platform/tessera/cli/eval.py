@@ -36,7 +36,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "quality",
         help="perplexity, KL, top-1 agreement, greedy exact match and valid-Python share per format variant",
         description="Score the held-out standard-library files (the training split's rule) with the "
-        "baseline and each variant; every metric comes with a bootstrap 95%% interval over files. "
+        "baseline and each variant; every metric comes with a bootstrap 95% interval over files. "
         "A variant is KEY=VALUE[+KEY=VALUE] with KEY kv (auto, bf16, fp8_e4m3), weights (bf16, fp8, int4) "
         "or dtype; a variant that cannot load reports its error and the others still run.",
     )
@@ -69,7 +69,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="held-out loss per model: nats/token, perplexity, bits per byte, loss by position bucket",
         description="Score the held-out standard-library files (the training split's rule) with each "
         "model, each at its own context (max_position_embeddings) unless --context is given, in one run: "
-        "nats per token, perplexity and bits per byte (tokenizer-independent) with bootstrap 95%% "
+        "nats per token, perplexity and bits per byte (tokenizer-independent) with bootstrap 95% "
         "intervals over files, the bits-per-byte change of every model against the first, and the mean "
         "loss at positions 0-512, 512-1024, 1024-2048, ... of the files longer than the longest context.",
     )
