@@ -111,15 +111,18 @@ def build_model(config: dict, seed: int) -> LlamaForCausalLM:
 def loss_fn(model: LlamaForCausalLM, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of [batch, seq_len] inputs against their targets."""
     batch, seq_len = inputs.shape
-    positions = torch.arange(seq_len).repeat(batch)
+    positions = torch.arange(seq_len, device=inputs.device).repeat(batch)
     hidden = model(inputs.reshape(-1), positions, CausalAttention(batch, seq_len))
     return F.cross_entropy(model.compute_logits(hidden), targets.reshape(-1))
 
 
 def save_checkpoint(model: LlamaForCausalLM, config: dict, tokenizer: Tokenizer, out: Path) -> None:
-    """Write the Hugging Face folder: config.json, bf16 model.safetensors, tokenizer and generation files."""
+    """Write the Hugging Face folder: config.json, bf16 model.safetensors, tokenizer and generation files.
+    The weights are saved from CPU copies, so the folder is the same whichever device trained it."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in model.state_dict().items()}
+    tensors = {
+        name: p.detach().to("cpu", torch.bfloat16).contiguous() for name, p in model.state_dict().items()
+    }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {

@@ -2,7 +2,9 @@
 
     python -m gpu_workers.tools.train.pycode --out models/pycode-tiny
 
-Reproducible from its arguments (recorded in ``training.json``) on any CPython of the same version.
+Reproducible from its arguments (recorded in ``training.json``) on any CPython of the same version, or
+on any machine from a ``--corpus-cache`` file made on one (the tokenised corpus travels, not the stdlib).
+``--device cuda`` trains on a GPU; batches are still drawn on the CPU, so a seed gives the same data there.
 Each evaluation that improves the held-out loss rewrites the checkpoint folder, so a run stopped early
 (``--max-minutes`` or a kill) still leaves a usable model; ``--resume`` continues from the work dir.
 """
@@ -21,6 +23,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from gpu_workers.model import load_model
+from gpu_workers.tools.train.corpus_cache import TokenisedCorpus, file_sha256, load_corpus, save_corpus
 from gpu_workers.tools.train.data import (
     SKIPPED_DIRS,
     eval_windows,
@@ -56,6 +59,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for matmuls (weights stay fp32)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model, its batches and the evaluations run (--bf16 autocasts on either)",
+    )
+    p.add_argument(
+        "--corpus-cache",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the tokenised corpus (file lists, tokenizer, token streams): read from FILE if it exists, else "
+        "built from this Python's stdlib and written there; training.json records its sha256",
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
@@ -119,14 +136,16 @@ def random_batch(
 
 @torch.no_grad()
 def heldout_loss(model: torch.nn.Module, windows, batch: int, bf16: bool = False) -> float:
-    """Mean cross-entropy over every held-out target token (full windows batched, the tail alone)."""
+    """Mean cross-entropy over every held-out target token (full windows batched, the tail alone), computed
+    on the model's device."""
+    device = next(model.parameters()).device
     total, count = 0.0, 0
     full = [w for w in windows if len(w[0]) == len(windows[0][0])]
     groups = [full[i : i + batch] for i in range(0, len(full), batch)] + [[w] for w in windows[len(full) :]]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for group in groups:
-            inputs = torch.stack([w[0] for w in group])
-            targets = torch.stack([w[1] for w in group])
+            inputs = torch.stack([w[0] for w in group]).to(device)
+            targets = torch.stack([w[1] for w in group]).to(device)
             total += loss_fn(model, inputs, targets).item() * targets.numel()
             count += targets.numel()
     return total / count
@@ -135,28 +154,20 @@ def heldout_loss(model: torch.nn.Module, windows, batch: int, bf16: bool = False
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = _device(args.device)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    corpus = stdlib_corpus(heldout_percent=args.heldout_percent)
-    train_texts, heldout_texts = corpus.texts(corpus.train), corpus.texts(corpus.heldout)
-    if args.init_from is not None:  # the same tokenizer, so the trained embeddings keep their meaning
-        tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
-        if tokenizer.get_vocab_size() != args.vocab_size:
-            raise SystemExit(
-                f"--vocab-size {args.vocab_size} != {args.init_from}'s {tokenizer.get_vocab_size()}"
-            )
-    else:
-        tokenizer = train_tokenizer(train_texts, args.vocab_size)
-    train_stream = token_stream(tokenizer, train_texts)
-    heldout_stream = token_stream(tokenizer, heldout_texts)
-    windows = eval_windows(heldout_stream, args.context)
+    corpus, cache_record = _prepare_corpus(args)
+    tokenizer, train_stream = corpus.tokenizer, corpus.train_stream
+    windows = eval_windows(corpus.heldout_stream, args.context)
     heldout_targets = torch.cat([w[1] for w in windows])
     unigram_ppl = unigram_perplexity(train_stream, heldout_targets, args.vocab_size)
     _say(
-        f"corpus: {len(corpus.train)} train files ({len(train_stream)} tokens), {len(corpus.heldout)} "
-        f"held-out files ({len(heldout_targets)} target tokens); unigram ppl {unigram_ppl:.1f}; "
-        f"prep {time.time() - started:.0f}s"
+        f"corpus: {len(corpus.train_files)} train files ({len(train_stream)} tokens), "
+        f"{len(corpus.heldout_files)} held-out files ({len(heldout_targets)} target tokens); unigram ppl "
+        f"{unigram_ppl:.1f}; prep {time.time() - started:.0f}s"
+        + (f"; from {cache_record['path']}" if cache_record and cache_record["loaded"] else "")
     )
 
     config = hf_config(
@@ -173,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.init_from is not None:
         model.load_state_dict(load_file(args.init_from / "model.safetensors"), strict=True)
         _say(f"initialised from {args.init_from} (its weights in float32, context now {args.context})")
+    model.to(device)  # initialised on the CPU, so a seed gives the same model on every device
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -194,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     train_seconds = 0.0
     state_file = args.work_dir / "state.pt"
     if args.resume and state_file.is_file():
-        state = torch.load(state_file, weights_only=False)
+        state = torch.load(state_file, weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
@@ -230,12 +242,15 @@ def main(argv: list[str] | None = None) -> None:
             inputs, targets = random_batch(train_stream, rows, args.short_context, gen)
         else:
             inputs, targets = random_batch(train_stream, args.batch_size, args.context, gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        inputs, targets = inputs.to(device), targets.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = loss_fn(model, inputs, targets)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's time is its GPU time: the budget and tokens/s count it
         train_seconds += time.time() - step_start
         window_tokens += inputs.numel()
         history["step"] = step + 1
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                 state_file,
             )
             _write_report(
-                args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows
+                args, corpus, cache_record, history, num_params, train_seconds, unigram_ppl, windows
             )
             window_start, window_tokens = time.time(), 0  # evaluation time is not training time
         step += 1
@@ -283,15 +298,70 @@ def main(argv: list[str] | None = None) -> None:
     if history["best_step"] is None or history["heldout"][-1][0] != history["step"]:
         _evaluate(model, windows, args, history, config, tokenizer, log)
     # The number that ships: the saved bf16 weights, read back through the serving loader.
-    shipped = load_model(args.out, dtype=torch.float32)
+    shipped = load_model(args.out, dtype=torch.float32, device=device)
     final_loss = heldout_loss(shipped, windows, args.batch_size)
     _write_report(
-        args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows, final_loss
+        args, corpus, cache_record, history, num_params, train_seconds, unigram_ppl, windows, final_loss
     )
     _say(
         f"done: best step {history['best_step']}, held-out ppl {math.exp(final_loss):.2f} "
         f"(unigram {unigram_ppl:.1f}), {train_seconds / 60:.1f} min training"
     )
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def _prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | None]:
+    """The tokenised corpus, from ``--corpus-cache`` when that file exists (checked against the flags and
+    ``--init-from``'s tokenizer), else from this Python's stdlib (written to the cache if one is named).
+    Also what training.json records of the cache: its path, sha256 and whether it was read."""
+    init_tokenizer = None
+    if args.init_from is not None:  # the same tokenizer, so the trained embeddings keep their meaning
+        init_tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+        if init_tokenizer.get_vocab_size() != args.vocab_size:
+            raise SystemExit(
+                f"--vocab-size {args.vocab_size} != {args.init_from}'s {init_tokenizer.get_vocab_size()}"
+            )
+    cache = args.corpus_cache
+    if cache is not None and cache.is_file():
+        try:
+            corpus = load_corpus(cache)
+        except ValueError as exc:
+            raise SystemExit(f"--corpus-cache: {exc}") from None
+        if corpus.heldout_percent != args.heldout_percent:
+            raise SystemExit(
+                f"--corpus-cache {cache} holds a {corpus.heldout_percent}% held-out split, not "
+                f"--heldout-percent {args.heldout_percent}: pass that, or another cache file"
+            )
+        if corpus.tokenizer.get_vocab_size() != args.vocab_size:
+            raise SystemExit(
+                f"--corpus-cache {cache} was tokenised with a {corpus.tokenizer.get_vocab_size()}-token "
+                f"vocabulary, not --vocab-size {args.vocab_size}"
+            )
+        if init_tokenizer is not None and init_tokenizer.to_str() != corpus.tokenizer.to_str():
+            raise SystemExit(
+                f"--corpus-cache {cache} was tokenised with another tokenizer than {args.init_from}'s: "
+                "make the cache with the same --init-from"
+            )
+        return corpus, {"path": str(cache), "sha256": file_sha256(cache), "loaded": True}
+    stdlib = stdlib_corpus(heldout_percent=args.heldout_percent)
+    train_texts, heldout_texts = stdlib.texts(stdlib.train), stdlib.texts(stdlib.heldout)
+    tokenizer = init_tokenizer or train_tokenizer(train_texts, args.vocab_size)
+    corpus = TokenisedCorpus(
+        train_files=stdlib.train,
+        heldout_files=stdlib.heldout,
+        heldout_percent=args.heldout_percent,
+        tokenizer=tokenizer,
+        train_stream=token_stream(tokenizer, train_texts),
+        heldout_stream=token_stream(tokenizer, heldout_texts),
+    )
+    if cache is None:
+        return corpus, None
+    return corpus, {"path": str(cache), "sha256": save_corpus(corpus, cache), "loaded": False}
 
 
 def _past(fraction: float, step: int, train_seconds: float, args: argparse.Namespace) -> bool:
@@ -320,7 +390,7 @@ def _evaluate(model, windows, args, history, config, tokenizer, log) -> None:
 
 
 def _write_report(
-    args, corpus, history, num_params, train_seconds, unigram_ppl, train_stream, windows, final_loss=None
+    args, corpus, cache_record, history, num_params, train_seconds, unigram_ppl, windows, final_loss=None
 ) -> None:
     """training.json and loss_curve.png next to the checkpoint; rewritten at every evaluation."""
     steps_done = history["step"]
@@ -330,14 +400,15 @@ def _write_report(
         "command": "python -m gpu_workers.tools.train.pycode " + " ".join(_cli_args(args)),
         "corpus": {
             "source": "CPython standard library .py files (sysconfig.get_paths()['stdlib'])",
-            "python_version": sys.version.split()[0],
+            "python_version": corpus.python_version,
+            "cache": cache_record,
             "skipped_dirs": sorted(SKIPPED_DIRS),
             "skipped_files": "generated charmap codec tables (files containing 'decoding_table = (')",
             "heldout_rule": f"sha256(relative path)[:8] as int % 100 < {args.heldout_percent}",
-            "train_files": len(corpus.train),
-            "train_tokens": len(train_stream),
+            "train_files": len(corpus.train_files),
+            "train_tokens": len(corpus.train_stream),
             "heldout_target_tokens": sum(len(w[1]) for w in windows),
-            "heldout_files": corpus.heldout,
+            "heldout_files": corpus.heldout_files,
         },
         "seed": args.seed,
         "initialised_from": _init_record(args.init_from),
@@ -356,7 +427,12 @@ def _write_report(
         "heldout_loss": final_loss,
         "heldout_curve": history["heldout"],
         "train_curve": history["train"],
-        "machine": {"torch": torch.__version__, "threads": args.threads, "python": sys.version.split()[0]},
+        "machine": {
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "python": sys.version.split()[0],
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
