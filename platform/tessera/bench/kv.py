@@ -42,6 +42,7 @@ def report(bench: str, model_dir: Path, config, settings: dict, measured: dict) 
         "dtype": config.dtype,
         "page_size": config.page_size,
         "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "device": torch.cuda.get_device_name(config.device) if config.device == "cuda" else "cpu",
         "settings": settings,
         **measured,
     }

@@ -7,6 +7,7 @@ them gpu_workers and torch) load only when a bench runs.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from tessera.bench.gateway_harness import DEFAULT_REDIS_URL
@@ -405,6 +406,9 @@ def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of
         help="torch CPU threads (default: torch's choice); on a small machine shared with other work, 1 "
         "avoids threads waiting on each other while one is descheduled",
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="where the model and the KV cache live (default cpu)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -478,7 +482,13 @@ def _kv_bench_config(args: argparse.Namespace):
     """The engine config the KV benches' flags describe (``--threads`` checked first)."""
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads needs a positive integer, got {args.threads}", exit_code=2)
-    return engine_config(args)
+    if args.device is None:
+        return engine_config(args)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device cuda: torch {torch.__version__} sees no CUDA device", exit_code=2)
+    return replace(engine_config(args), device=args.device)
 
 
 def cmd_gateway(args: argparse.Namespace) -> None:
