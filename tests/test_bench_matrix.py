@@ -4,6 +4,7 @@ served by workers reporting it, token counts are the server's and the ledger's, 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 
 import httpx
+import jsonschema
 import pytest
 from tessera.bench.matrix import (
     AXES,
@@ -22,6 +24,7 @@ from tessera.bench.matrix import (
     plan,
     queued,
 )
+from tessera.bench.schemas import validate
 from tessera.launcher import DEFAULT_MODEL
 
 
@@ -154,6 +157,17 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
     assert "decode KV format" in done.stdout and "KV integrity check" in done.stdout
     assert "x (" in done.stdout and "–" in done.stdout  # ratios print "mean (low–high)"
     report = json.loads(out.read_text())
+    validate(report, "matrix")  # the documented schema; a wrong copy fails it
+    for path, wrong in ((("runs", 0, "levels", 0, "held"), "yes"), (("axes", "kv", "ratios"), None)):
+        broken = copy.deepcopy(report)
+        *parents, last = path
+        target = broken
+        for key in parents:
+            target = target[key]
+        target[last] = wrong
+        with pytest.raises(jsonschema.ValidationError) as failed:
+            validate(broken, "matrix")
+        assert tuple(failed.value.absolute_path) == path
     assert report["repeats"] == REPEATS and len(report["runs"]) == 3  # bf16 KV, fp8 KV, fp8 + integrity off
 
     # Each (axis, variant) ran on workers that reported serving exactly its config, before and after its load,

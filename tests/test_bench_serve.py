@@ -3,12 +3,17 @@ counts are the server's own."""
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import subprocess
 import sys
+import time
 
+import httpx
+import jsonschema
 import pytest
+from tessera.bench.schemas import validate
 from tessera.bench.serve import (
     STAT_METRICS,
     Outcome,
@@ -80,6 +85,71 @@ def test_prompts_share_a_prefix_within_a_tenant_only():
     assert batch[0][12:] != batch[2][12:]
 
 
+def ledger_usage(up, output_tokens: int) -> dict:
+    """The default model's row of the tenant's usage, once the ledger holds ``output_tokens`` (billing
+    consumes the outcomes asynchronously)."""
+    deadline = time.monotonic() + 60
+    while True:
+        response = httpx.get(
+            f"{up.url}/v1/usage", params={"group_by": "model"}, headers={"Authorization": f"Bearer {up.key}"}
+        )
+        assert response.status_code == 200, response.text
+        row = next((r for r in response.json()["data"] if r["model"] == DEFAULT_MODEL), {"output_tokens": 0})
+        if row["output_tokens"] >= output_tokens or time.monotonic() > deadline:
+            assert row["output_tokens"] == output_tokens
+            return row
+        time.sleep(0.5)
+
+
+def test_a_wrong_serve_report_fails_its_schema():
+    level = summarize(
+        [Outcome(status="ok", latency=1.0, ttft=0.1, itls=[0.3] * 3, prompt_tokens=10, output_tokens=4)],
+        1.0,
+        {},
+    )
+    stats = {name: mean_interval([metric(level, name)]) for name in STAT_METRICS}
+    report = {
+        "url": "http://127.0.0.1:8787",
+        "workload": {
+            "model": "m",
+            "input_len": 10,
+            "output_len": 4,
+            "shared_prefix_len": 0,
+            "vocab": 1000,
+            "seed": 0,
+        },
+        "tenants": 1,
+        "num_requests": 1,
+        "repeats": 1,
+        "interval": "t",
+        "slo_ms": {},
+        "levels": [{"concurrency": 1, **level, "repeats": [level], "stats": stats}],
+        "machine": "m",
+        "date": "2026-12-01",
+    }
+    validate(report, "serve")
+
+    def broken(change) -> jsonschema.ValidationError:
+        wrong = copy.deepcopy(report)
+        change(wrong)
+        with pytest.raises(jsonschema.ValidationError) as failed:
+            validate(wrong, "serve")
+        return failed.value
+
+    assert "'ttft_ms' is a required property" in broken(lambda r: r["levels"][0].pop("ttft_ms")).message
+    assert list(broken(lambda r: r["levels"][0]["repeats"][0].update(output_tokens="4")).absolute_path) == [
+        "levels",
+        0,
+        "repeats",
+        0,
+        "output_tokens",
+    ]
+    assert "too short" in broken(lambda r: r["levels"][0]["stats"]["ttft_ms.p95"].update(ci95=[1.0])).message
+    broken(lambda r: r["levels"][0].pop("concurrency"))  # neither a concurrency nor a request rate
+    broken(lambda r: r["levels"][0]["stats"].update({"ttft_ms.p42": None}))  # no such figure
+    broken(lambda r: r["levels"][0].update(cached_token_share=1.5))
+
+
 def bench_serve(url: str, key: str, concurrency: str, *extra: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "tessera.cli", "bench", "serve", "--url", url, "--model", DEFAULT_MODEL,
@@ -99,11 +169,16 @@ def test_bench_serve_reports_the_servers_usage_at_each_level(tmp_path_factory):
             up.url, up.key, "1,4", "--slo", "ttft=60000,tpot=60000", "--repeats", "2", *files
         )
         assert result.returncode == 0, result.stderr
+        report = json.loads((out / "serve.json").read_text())
+        ledger = ledger_usage(up, sum(level["output_tokens"] for level in report["levels"]))
         refused = bench_serve(up.url, "not-a-key", "2")
     finally:
         assert stop_up(up, signal.SIGTERM) == 0, up.output
         assert_all_stopped(up)
-    report = json.loads((out / "serve.json").read_text())
+    validate(report, "serve")  # the documented schema
+    # The client's token counts are the server's usage (exactly input/output_len each) and its ledger's.
+    assert ledger["requests"] == sum(level["completed"] for level in report["levels"]) == 2 * 2 * 8
+    assert ledger["input_tokens"] == sum(level["prompt_tokens"] for level in report["levels"])
     assert [level["concurrency"] for level in report["levels"]] == [1, 4] and report["repeats"] == 2
     for level in report["levels"]:
         assert len(level["repeats"]) == 2
@@ -112,7 +187,10 @@ def test_bench_serve_reports_the_servers_usage_at_each_level(tmp_path_factory):
             assert part["completed"] == n and part["failures"] == {}
             assert part["output_tokens"] == n * 6 and part["prompt_tokens"] == n * 64  # the server's usage
             assert part["goodput"] == part["request_throughput"]  # generous SLOs: every request meets them
+            assert part["completed"] + sum(part["failures"].values()) == part["requests"] == n
             assert part["ttft_ms"]["p50"] <= part["e2el_ms"]["p50"]
+            for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+                assert part[name]["p50"] <= part[name]["p95"] <= part[name]["p99"]
             assert part["tpot_ms"]["mean"] > 0 and part["itl_ms"]["p99"] > 0
         # stats: each metric's per-repeat values, their mean, and an interval around it.
         for name in STAT_METRICS:
