@@ -48,3 +48,29 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 
 def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
     return (bits.view(FP8_DTYPE).float() * scale).to(dtype)
+
+
+# An FP8 entry may keep its last ``tail`` values in bf16 (MLA's rope key, as the published FP8 MLA layouts
+# do): its uint8 bits are ``dim - tail`` e4m3 values of ``x / scale`` followed by the 2 * tail bytes of
+# the tail's bf16 bits, ``dim + tail`` bytes in all. The scale covers the FP8 part only.
+
+
+def quantize_fp8_entry(x: torch.Tensor, scale: torch.Tensor | float, tail: int) -> torch.Tensor:
+    """uint8 bits [..., dim + tail] of entries ``x`` [..., dim]: the head in e4m3, the last ``tail`` in bf16."""
+    if not tail:
+        return quantize_fp8(x, scale)
+    head = x.shape[-1] - tail
+    rope = x[..., head:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat((quantize_fp8(x[..., :head], scale), rope), dim=-1)
+
+
+def dequantize_fp8_entry(
+    bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype, dim: int
+) -> torch.Tensor:
+    """Entries [..., dim] from their uint8 bits; a width beyond ``dim`` is a bf16 tail of that many values."""
+    tail = bits.shape[-1] - dim
+    if not tail:
+        return dequantize_fp8(bits, scale, dtype)
+    head = dim - tail
+    rope = bits[..., head:].contiguous().view(torch.bfloat16).to(dtype)
+    return torch.cat((dequantize_fp8(bits[..., :head], scale, dtype), rope), dim=-1)

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.formats.fp8 import dequantize_fp8
+from gpu_workers.formats.fp8 import dequantize_fp8_entry
 from gpu_workers.kernels import use_triton
 
 
@@ -41,8 +41,9 @@ def paged_decode_attention_reference(
     positions = torch.arange(block_tables.shape[1] * page_size, device=q.device)
     pages = block_tables.long()[:, positions // page_size]  # [B, L]
     slots = pages * page_size + positions % page_size
-    k = _read(k_slots, slots, k_scale, pages).repeat_interleave(heads // kv_heads, dim=2)  # [B, L, H, D]
-    v = _read(v_slots, slots, v_scale, pages).repeat_interleave(heads // kv_heads, dim=2)
+    dim = q.shape[-1]
+    k = _read(k_slots, slots, k_scale, pages, dim).repeat_interleave(heads // kv_heads, dim=2)  # [B, L, H, D]
+    v = _read(v_slots, slots, v_scale, pages, dim).repeat_interleave(heads // kv_heads, dim=2)
     lens = seq_lens.long()[:, None]
     valid = positions[None, :] < lens
     if sliding_window is not None:
@@ -53,12 +54,12 @@ def paged_decode_attention_reference(
 
 
 def _read(
-    slots: torch.Tensor, index: torch.Tensor, page_scale: torch.Tensor | None, pages: torch.Tensor
+    slots: torch.Tensor, index: torch.Tensor, page_scale: torch.Tensor | None, pages: torch.Tensor, dim: int
 ) -> torch.Tensor:
     x = slots[index]
     if page_scale is None:
         return x.float()
-    return dequantize_fp8(x, page_scale[pages][..., None, None], torch.float32)
+    return dequantize_fp8_entry(x, page_scale[pages][..., None, None], torch.float32, dim)
 
 
 def paged_decode_attention(
@@ -105,8 +106,10 @@ def paged_attention_reference(
     decode = meta.decode
     for group in (decode.groups or [decode]) if decode is not None else []:
         tables = group.block_tables
-        k = _gather_pages(k_slots, tables, k_scale, page_size, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        v = _gather_pages(v_slots, tables, v_scale, page_size, q.dtype).transpose(1, 2)
+        k = _gather_pages(k_slots, tables, k_scale, page_size, q.dtype, head_dim).transpose(
+            1, 2
+        )  # [B, Hkv, L, D]
+        v = _gather_pages(v_slots, tables, v_scale, page_size, q.dtype, head_dim).transpose(1, 2)
         # The query heads sharing a KV head act as that head's query rows: GQA without repeating K/V.
         rows = q[group.rows].view(-1, kv_heads, heads // kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
@@ -115,8 +118,12 @@ def paged_attention_reference(
         out[group.rows] = o.reshape(-1, heads, head_dim)
     for row in meta.prefill:
         ctx, n = row.context_len, row.end - row.start
-        k = _gather_pages(k_slots, row.pages[None], k_scale, page_size, q.dtype)[:, :ctx].transpose(1, 2)
-        v = _gather_pages(v_slots, row.pages[None], v_scale, page_size, q.dtype)[:, :ctx].transpose(1, 2)
+        k = _gather_pages(k_slots, row.pages[None], k_scale, page_size, q.dtype, head_dim)[:, :ctx].transpose(
+            1, 2
+        )
+        v = _gather_pages(v_slots, row.pages[None], v_scale, page_size, q.dtype, head_dim)[:, :ctx].transpose(
+            1, 2
+        )
         mask = None
         if n != ctx or sliding_window is not None:
             key_pos = torch.arange(ctx, device=q.device)
@@ -143,15 +150,17 @@ def _gather_pages(
     page_scale: torch.Tensor | None,
     page_size: int,
     dtype: torch.dtype,
+    dim: int,
 ) -> torch.Tensor:
-    """The pages ``tables`` [B, P] names as [B, P * page_size, kv_heads, dim] in ``dtype``, dequantised if FP8."""
+    """The pages ``tables`` [B, P] names as [B, P * page_size, kv_heads, dim] in ``dtype``, dequantised if FP8
+    (FP8 slots wider than ``dim`` carry a bf16 tail: ``formats.fp8.dequantize_fp8_entry``)."""
     rows, width = tables.shape
     pages = slots.view(-1, page_size, *slots.shape[1:]).index_select(0, tables.flatten())
     if page_scale is None:
         x = pages.to(dtype)
     else:
-        x = dequantize_fp8(pages, page_scale[tables.flatten()][:, None, None, None], dtype)
-    return x.view(rows, width * page_size, *slots.shape[1:])
+        x = dequantize_fp8_entry(pages, page_scale[tables.flatten()][:, None, None, None], dtype, dim)
+    return x.view(rows, width * page_size, *x.shape[2:])
 
 
 def paged_attention(
@@ -165,7 +174,9 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_reference`` with its decode rows on the Triton kernel where kernels run."""
-    if not use_triton(q.device) or meta.decode is None:
+    # The decode kernel reads whole-entry FP8 or unquantised slots; an entry with a bf16 tail (wider
+    # slots than the queries) stays on the reference.
+    if not use_triton(q.device) or meta.decode is None or k_slots.shape[-1] != q.shape[-1]:
         return paged_attention_reference(q, k_slots, v_slots, meta, scale, sliding_window, k_scale, v_scale)
     decode = meta.decode
     out = paged_attention_reference(

@@ -18,6 +18,9 @@ Where the scales come from:
   chunks fall, so a request's output does not depend on the step token budget or its batch
   (``formats.fp8_scale_pow2``).
 Scale bytes are part of every page's cost, so ``pages_for_budget`` stays honest about capacity.
+
+A spec with ``bf16_tail`` (MLA's rope key) keeps those values in bf16 in an FP8 cache: each entry is the
+e4m3 head followed by the tail's bf16 bytes, and the page scales come from the head alone.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from gpu_workers.formats.fp8 import SCALE_DTYPE, fp8_scale_pow2, is_fp8, storage_dtype
-from gpu_workers.kernels.kv_write import write_kv
+from gpu_workers.formats.fp8 import SCALE_DTYPE, fp8_scale_pow2, is_fp8, quantize_fp8_entry, storage_dtype
+from gpu_workers.kernels.kv_write import write_kv, write_kv_reference
 from gpu_workers.kv.scales import KVScales
 from gpu_workers.kv.spec import KVSpec
 
@@ -73,7 +76,7 @@ class KVCache:
         self.page_size = page_size
         self.dtype = dtype
         self.static_scales = scales
-        shape = (spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.stored_dim(dtype))
         self.k = torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
         # An MLA latent entry (``spec.v_is_k``) is one tensor: V is the same tensor as K, written once.
         self.v = self.k if spec.v_is_k else torch.zeros(shape, dtype=storage_dtype(dtype), device=device)
@@ -114,10 +117,17 @@ class KVCache:
         scales = self.k_scale.nbytes * self.spec.tensors if self.quantized else 0
         return self.k.nbytes * self.spec.tensors + scales
 
+    @property
+    def tail(self) -> int:
+        """Values at the end of each entry stored in bf16 (FP8 caches of a spec with ``bf16_tail``)."""
+        return self.spec.bf16_tail if self.quantized else 0
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer flattened to slots: [pages * page_size, kv_heads, head_dim], as stored."""
-        k = self.k[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-        v = self.v[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        """K and V of one layer flattened to slots: [pages * page_size, kv_heads, stored dim], as stored
+        (an FP8 entry with a bf16 tail is ``head_dim + tail`` bytes wide)."""
+        width = self.spec.stored_dim(self.dtype)
+        k = self.k[layer].view(-1, self.spec.num_kv_heads, width)
+        v = self.v[layer].view(-1, self.spec.num_kv_heads, width)
         return k, v
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -150,9 +160,14 @@ class KVCache:
         pages = slot_mapping // self.page_size
         for x, slots, scales in writes:
             page_scale = scales[layer]
+            head = x[..., : x.shape[-1] - self.tail]  # what the scale covers
             if self.static_scales is None:
-                self._open_pages(x, slot_mapping, pages, page_scale, spans)
-            write_kv(x, slots, slot_mapping, page_scale, self.page_size)
+                self._open_pages(head, slot_mapping, pages, page_scale, spans)
+            if self.tail:  # mixed e4m3 + bf16 bits, encoded here and copied as bytes (no kernel for it)
+                bits = quantize_fp8_entry(x, page_scale[pages][:, None, None], self.tail)
+                write_kv_reference(bits, slots, slot_mapping, None, self.page_size)
+            else:
+                write_kv(x, slots, slot_mapping, page_scale, self.page_size)
 
     def _open_pages(
         self,

@@ -20,12 +20,25 @@ class KVSpec:
 
     ``v_is_k``: the values are read from the keys' own slots and no V is stored (MLA's latent entry: one
     "KV head" holding the latent and the rope key; the model uses the latent part of the output).
+    ``bf16_tail``: in an FP8 cache, the last this many values of every entry stay bf16 and only the rest
+    is e4m3 under the page scale (MLA's rope key, as the published FP8 MLA layouts keep it); the stored
+    entry is then ``head_dim + bf16_tail`` bytes (``formats.fp8.quantize_fp8_entry``). Unquantised
+    caches store every value as it is.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     v_is_k: bool = False
+    bf16_tail: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.bf16_tail < self.head_dim:
+            raise ValueError(f"bf16_tail must be in [0, head_dim={self.head_dim}), got {self.bf16_tail}")
+
+    def stored_dim(self, dtype: torch.dtype) -> int:
+        """Width of one stored entry in ``storage_dtype(dtype)`` elements (bytes for FP8, tail included)."""
+        return self.head_dim + self.bf16_tail if is_fp8(dtype) else self.head_dim
 
     @property
     def tensors(self) -> int:
@@ -41,4 +54,6 @@ class KVSpec:
         """Bytes one page of ``page_size`` tokens costs in a cache of ``dtype`` (``KVCache``'s formats):
         its elements plus, for FP8, one fp32 scale per stored tensor (K, and V unless ``v_is_k``) per layer."""
         scales = self.tensors * self.num_layers * SCALE_DTYPE.itemsize if is_fp8(dtype) else 0
-        return page_size * self.bytes_per_token(storage_dtype(dtype)) + scales
+        element = torch.empty((), dtype=storage_dtype(dtype)).element_size()
+        entry = self.tensors * self.num_layers * self.num_kv_heads * self.stored_dim(dtype) * element
+        return page_size * entry + scales

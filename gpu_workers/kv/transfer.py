@@ -22,7 +22,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_workers.formats.fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, fp8_scale_pow2, quantize_fp8
+from gpu_workers.formats.fp8 import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    dequantize_fp8_entry,
+    fp8_scale_pow2,
+    quantize_fp8_entry,
+)
 from gpu_workers.kv.cache import KVCache
 
 KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": FP8_DTYPE}
@@ -47,6 +53,7 @@ class KVBlock:
     k_scale: torch.Tensor | None = None  # [layers, pages] fp32, fp8_e4m3 only: each page's scale
     v_scale: torch.Tensor | None = None
     page_size: int = 0  # tokens per page of the cache it came from; what the FP8 scales are per
+    bf16_tail: int = 0  # fp8_e4m3 only: values at the end of each entry kept in bf16 (``KVSpec.bf16_tail``)
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +72,9 @@ class KVBlock:
         return out
 
     def metadata(self) -> str:
-        return json.dumps({"kv_format": self.kv_format, "page_size": self.page_size})
+        return json.dumps(
+            {"kv_format": self.kv_format, "page_size": self.page_size, "bf16_tail": self.bf16_tail}
+        )
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: str) -> KVBlock:
@@ -79,6 +88,7 @@ class KVBlock:
             tensors.get("k_scale"),
             tensors.get("v_scale"),
             meta["page_size"],
+            int(meta.get("bf16_tail", 0)),
         )
         check(block)
         return block
@@ -91,14 +101,19 @@ class KVBlock:
             self, k=move(self.k), v=move(self.v), k_scale=move(self.k_scale), v_scale=move(self.v_scale)
         )
 
+    @property
+    def head_dim(self) -> int:
+        """Values per entry (an FP8 entry with a bf16 tail stores ``head_dim + bf16_tail`` bytes)."""
+        return self.k.shape[-1] - self.bf16_tail
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as float32."""
+        """K and V as float32 [layers, tokens, kv_heads, head_dim]."""
         if self.kv_format != FP8:
             return self.k.float(), self.v.float()
         page_of = torch.arange(self.num_tokens, device=self.k.device) // self.page_size
         return (
-            dequantize_fp8(self.k, self.k_scale[:, page_of, None, None], torch.float32),
-            dequantize_fp8(self.v, self.v_scale[:, page_of, None, None], torch.float32),
+            dequantize_fp8_entry(self.k, self.k_scale[:, page_of, None, None], torch.float32, self.head_dim),
+            dequantize_fp8_entry(self.v, self.v_scale[:, page_of, None, None], torch.float32, self.head_dim),
         )
 
 
@@ -115,7 +130,12 @@ def check(block: KVBlock, spec=None) -> None:
     stored = torch.uint8 if block.kv_format == FP8 else KV_FORMATS[block.kv_format]
     if k.dtype != stored or v.dtype != stored:
         raise InvalidKVBlock(f"a {block.kv_format} block stores {stored}, got K {k.dtype} and V {v.dtype}")
-    if spec is not None and (k.shape[0], k.shape[2], k.shape[3]) != (
+    if block.bf16_tail and (block.kv_format != FP8 or not 0 < block.bf16_tail < block.head_dim):
+        raise InvalidKVBlock(
+            f"bf16_tail {block.bf16_tail} is only for fp8_e4m3 blocks, below the entry's "
+            f"{block.head_dim} values"
+        )
+    if spec is not None and (k.shape[0], k.shape[2], block.head_dim) != (
         spec.num_layers,
         spec.num_kv_heads,
         spec.head_dim,
@@ -145,8 +165,8 @@ def _slots(pages: list[int], num_tokens: int, page_size: int, device) -> torch.T
 
 
 def _flat(cache: KVCache, t: torch.Tensor) -> torch.Tensor:
-    """[layers, slots, kv_heads, head_dim] view of the cache's K or V."""
-    return t.view(cache.spec.num_layers, -1, cache.spec.num_kv_heads, cache.spec.head_dim)
+    """[layers, slots, kv_heads, stored dim] view of the cache's K or V."""
+    return t.view(cache.spec.num_layers, -1, cache.spec.num_kv_heads, cache.spec.stored_dim(cache.dtype))
 
 
 def read_pages(cache: KVCache, pages: list[int], num_tokens: int) -> KVBlock:
@@ -155,7 +175,9 @@ def read_pages(cache: KVCache, pages: list[int], num_tokens: int) -> KVBlock:
     slots = _slots(pages, num_tokens, cache.page_size, device)
     k = _flat(cache, cache.k).index_select(1, slots)
     v = _flat(cache, cache.v).index_select(1, slots)
-    block = KVBlock(kv_format_name(cache.dtype), num_tokens, k, v, page_size=cache.page_size)
+    block = KVBlock(
+        kv_format_name(cache.dtype), num_tokens, k, v, page_size=cache.page_size, bf16_tail=cache.tail
+    )
     if cache.quantized:
         held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
         block.k_scale, block.v_scale = cache.k_scale[:, held], cache.v_scale[:, held]
@@ -191,25 +213,27 @@ def for_cache(block: KVBlock, cache: KVCache) -> KVBlock:
             kv_format, block.num_tokens, k.to(cache.dtype), v.to(cache.dtype), page_size=cache.page_size
         )
     static = cache.static_scales
-    if block.kv_format == FP8 and block.page_size == cache.page_size and static is None:
+    same_layout = block.page_size == cache.page_size and block.bf16_tail == cache.tail
+    if block.kv_format == FP8 and same_layout and static is None:
         return block  # the pages' own scales: bit for bit what the sending cache held
     k, v = block.dequantized()
     if static is not None:
         k_scale = torch.tensor(static.k_scale, dtype=SCALE_DTYPE, device=k.device)
         v_scale = torch.tensor(static.v_scale, dtype=SCALE_DTYPE, device=k.device)
     else:
-        k_scale, v_scale = fp8_scale_pow2(_amax(k)), fp8_scale_pow2(_amax(v))
-    return _quantized(k, v, k_scale, v_scale, cache.page_size)
+        k_scale, v_scale = fp8_scale_pow2(_amax(k, cache.tail)), fp8_scale_pow2(_amax(v, cache.tail))
+    return _quantized(k, v, k_scale, v_scale, cache.page_size, cache.tail)
 
 
 def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
     """Copy a ``for_cache`` block into ``pages`` (allocated for at least ``block.num_tokens`` tokens)."""
     if block.kv_format != kv_format_name(cache.dtype) or (
-        cache.quantized and block.page_size != cache.page_size
+        cache.quantized and (block.page_size, block.bf16_tail) != (cache.page_size, cache.tail)
     ):
         raise InvalidKVBlock(
-            f"a {block.kv_format} block of page size {block.page_size} cannot be copied into a "
-            f"{kv_format_name(cache.dtype)} cache of page size {cache.page_size}; convert it with for_cache"
+            f"a {block.kv_format} block of page size {block.page_size} (bf16 tail {block.bf16_tail}) cannot "
+            f"be copied into a {kv_format_name(cache.dtype)} cache of page size {cache.page_size} (bf16 tail "
+            f"{cache.tail}); convert it with for_cache"
         )
     device = cache.k.device
     slots = _slots(pages, block.num_tokens, cache.page_size, device)
@@ -221,12 +245,18 @@ def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
         cache.v_scale[:, held] = block.v_scale
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return x.abs().amax(dim=(1, 2, 3))
+def _amax(x: torch.Tensor, tail: int = 0) -> torch.Tensor:
+    """Per-layer amax of the values an FP8 scale covers (all but a bf16 tail)."""
+    return x[..., : x.shape[-1] - tail].abs().amax(dim=(1, 2, 3))
 
 
 def _quantized(
-    k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, page_size: int
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    page_size: int,
+    tail: int = 0,
 ) -> KVBlock:
     """An FP8 block of float K/V quantised with one scale per layer, recorded for each of its pages."""
     num_tokens = k.shape[1]
@@ -234,9 +264,10 @@ def _quantized(
     return KVBlock(
         FP8,
         num_tokens,
-        quantize_fp8(k, k_scale[:, None, None, None]),
-        quantize_fp8(v, v_scale[:, None, None, None]),
+        quantize_fp8_entry(k, k_scale[:, None, None, None], tail),
+        quantize_fp8_entry(v, v_scale[:, None, None, None], tail),
         k_scale[:, None].expand(-1, num_pages).contiguous(),
         v_scale[:, None].expand(-1, num_pages).contiguous(),
         page_size,
+        tail,
     )

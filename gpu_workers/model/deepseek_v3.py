@@ -201,18 +201,27 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     entry is the latent one."""
 
     layer_cls = DeepseekV3DecoderLayer
+    # The latent option of an FP8 KV cache: False quantises the whole entry under the page scale; True
+    # keeps the rope key in bf16 (the published FP8 MLA layout). Set it before the engine is built.
+    kv_rope_bf16: bool = False
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.model.rotary = ScaledRotary(config.rope, config.mla.qk_rope_head_dim)
 
     @classmethod
-    def cache_entry(cls, config: ModelConfig) -> KVSpec:
-        return latent_kv_spec(config)
+    def cache_entry(cls, config: ModelConfig, rope_bf16: bool = False) -> KVSpec:
+        return latent_kv_spec(config, rope_bf16)
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        return self.cache_entry(self.config, self.kv_rope_bf16)
 
 
-def latent_kv_spec(config: ModelConfig) -> KVSpec:
+def latent_kv_spec(config: ModelConfig, rope_bf16: bool = False) -> KVSpec:
     """The cache entry of an MLA model, from its config alone (no weights): one tensor per layer of one
-    "KV head" holding the latent and the rope key, values read from the same slots."""
+    "KV head" holding the latent and the rope key, values read from the same slots; ``rope_bf16`` keeps
+    the rope key out of FP8 (``KVSpec.bf16_tail``)."""
     mla = config.mla
-    return KVSpec(config.num_layers, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, v_is_k=True)
+    tail = mla.qk_rope_head_dim if rope_bf16 else 0
+    return KVSpec(config.num_layers, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, v_is_k=True, bf16_tail=tail)

@@ -156,11 +156,13 @@ class KVEntry:
     """One token's cache entry: the ``KVSpec`` the engine allocates with, and what it holds, for people.
 
     ``served``: False for an architecture the engine does not serve yet, whose entry is declared here.
+    ``rope_bf16``: MLA's other FP8 layout, the rope key kept in bf16 (``kv_rope_bf16`` on the model).
     """
 
     spec: KVSpec
     detail: str = ""
     served: bool = True
+    rope_bf16: KVSpec | None = None
 
     @property
     def kind(self) -> str:
@@ -184,8 +186,13 @@ class KVEntry:
         the GPU's share of the KV heads (``KVSpec.page_bytes``, what ``KVCache`` allocates) per token."""
         if kv_format not in KV_FORMATS:
             raise ValueError(f"KV format must be one of {', '.join(KV_FORMATS)}, got {kv_format!r}")
-        per_gpu = replace(self.spec, num_kv_heads=_ceil_div(self.spec.num_kv_heads, gpus))
-        return per_gpu.page_bytes(page_size, KV_DTYPES[kv_format]) / page_size
+        return _per_gpu_bytes(self.spec, KV_DTYPES[kv_format], gpus, page_size)
+
+    def rope_bf16_bytes_per_token(self, gpus: int = 1, page_size: int = 16) -> float | None:
+        """FP8 bytes per token of the rope-in-bf16 MLA layout; None for entries without one."""
+        if self.rope_bf16 is None:
+            return None
+        return _per_gpu_bytes(self.rope_bf16, FP8_DTYPE, gpus, page_size)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -195,7 +202,13 @@ class KVEntry:
             "detail": self.detail,
             "served": self.served,
             "spec": asdict(self.spec),
+            "fp8_e4m3_rope_bf16_bytes_per_token": self.rope_bf16_bytes_per_token(),
         }
+
+
+def _per_gpu_bytes(spec: KVSpec, dtype: torch.dtype, gpus: int, page_size: int) -> float:
+    per_gpu = replace(spec, num_kv_heads=_ceil_div(spec.num_kv_heads, gpus))
+    return per_gpu.page_bytes(page_size, dtype) / page_size
 
 
 @dataclass(frozen=True)
@@ -225,6 +238,7 @@ class CapacityRow:
     kv_bytes_per_token_per_gpu: float
     tokens: int  # KV tokens the whole deployment holds at once
     fits: bool  # the weights leave room for at least one token of KV cache
+    page_size: int = 16  # KV page size the scales are counted for
 
 
 def capacity(
@@ -242,7 +256,14 @@ def capacity(
             tokens = max(0, int(free // per_token))
             rows.append(
                 CapacityRow(
-                    weight_format, kv_format, weights / GIB, free / GIB, per_token, tokens, tokens > 0
+                    weight_format,
+                    kv_format,
+                    weights / GIB,
+                    free / GIB,
+                    per_token,
+                    tokens,
+                    tokens > 0,
+                    page_size,
                 )
             )
     return rows
@@ -306,12 +327,12 @@ def kv_entry(config: dict[str, Any]) -> KVEntry:
     if architecture == "GlmMoeDsaForCausalLM":
         return _planned_dsa_entry(config)
     model_config = ModelConfig.from_dict(config)  # ModelLoadError (a ValueError) names what is wrong
-    spec = MODEL_CLASSES[architecture].cache_entry(model_config)
-    if model_config.mla is not None:
-        detail = f"latent {model_config.mla.kv_lora_rank} + rope key {model_config.mla.qk_rope_head_dim}"
-    else:
-        detail = f"K and V x {spec.num_kv_heads} KV heads x {spec.head_dim}"
-    return KVEntry(spec, detail)
+    model_class = MODEL_CLASSES[architecture]
+    spec = model_class.cache_entry(model_config)
+    if model_config.mla is None:
+        return KVEntry(spec, f"K and V x {spec.num_kv_heads} KV heads x {spec.head_dim}")
+    detail = f"latent {model_config.mla.kv_lora_rank} + rope key {model_config.mla.qk_rope_head_dim}"
+    return KVEntry(spec, detail, rope_bf16=model_class.cache_entry(model_config, rope_bf16=True))
 
 
 def _planned_dsa_entry(config: dict[str, Any]) -> KVEntry:
@@ -496,4 +517,9 @@ def format_table(
         f"KV bytes per token per GPU: bf16 {bf16_row.kv_bytes_per_token_per_gpu:,.1f}, "
         f"fp8_e4m3 {fp8_row.kv_bytes_per_token_per_gpu:,.1f} (incl. fp32 scales per layer and page)"
     )
+    rope_bf16 = kv.rope_bf16_bytes_per_token(gpus, bf16_row.page_size)
+    if rope_bf16 is not None:
+        lines.append(
+            f"MLA's fp8_e4m3 layout with the rope key in bf16 (model option kv_rope_bf16): {rope_bf16:,.2f}"
+        )
     return "\n".join(lines)
