@@ -44,12 +44,14 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = False,
     weights: str = "auto",
+    only: str = "all",
 ) -> nn.Module:
     """The checkpoint at ``path`` as an eval-mode module with weights in ``dtype`` on ``device``.
 
     ``weights``: "auto" keeps the checkpoint's format; "bf16" asks for unquantised weights (in ``dtype``);
     "fp8"/"int4" ask for that format, quantising an unquantised checkpoint as it loads (round to nearest,
-    int4 in groups of 128). A quantised checkpoint loads only as itself. The model's ``quantization``
+    int4 in groups of 128), the layers ``only`` selects ("all" or "routed-experts"). A quantised
+    checkpoint loads only as itself (its own selection). The model's ``quantization``
     attribute is the QuantConfig it runs with, or None.
 
     Raises ``ModelLoadError`` for an unsupported architecture, a missing config or weights file, a missing
@@ -58,7 +60,7 @@ def load_model(
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     stored = _stored_quantization(path)
-    quant = _target_quantization(weights, stored, path)
+    quant = _target_quantization(weights, stored, path, only)
     files = safetensors_files(path)
     # Built on the meta device so no memory is allocated or initialised for weights about to be overwritten.
     with torch.device("meta"):
@@ -81,15 +83,27 @@ def _stored_quantization(path: Path) -> QuantConfig | None:
         raise ModelLoadError(f"config.json in {path} has an invalid quantization_config: {e}") from None
 
 
-def _target_quantization(weights: str, stored: QuantConfig | None, path: Path) -> QuantConfig | None:
+def _target_quantization(
+    weights: str, stored: QuantConfig | None, path: Path, only: str = "all"
+) -> QuantConfig | None:
     if weights not in ("auto", *WEIGHT_FORMATS):
         raise ModelLoadError(f"weights must be auto, {', '.join(WEIGHT_FORMATS)}; got {weights!r}")
+    if only != "all" and (weights in ("auto", "bf16") or stored is not None):
+        raise ModelLoadError(
+            f"only={only!r} selects layers to quantise while loading an unquantised checkpoint with "
+            "weights='fp8' or 'int4'; a quantised checkpoint loads with the selection it was written with"
+        )
     if weights == "auto":
         return stored
     if stored is None:
         if weights == "bf16":
             return None
-        return QuantConfig(weights, group_size=DEFAULT_GROUP_SIZE if weights == "int4" else None)
+        try:
+            return QuantConfig.selecting(
+                weights, only, group_size=DEFAULT_GROUP_SIZE if weights == "int4" else None
+            )
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
     if weights != stored.format:
         raise ModelLoadError(
             f"{path} holds {stored.format} weights (quantised by `tessera quantize`), so it cannot load as "

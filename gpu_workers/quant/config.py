@@ -27,6 +27,12 @@ DEFAULT_NOT_CONVERTED = (
     "block_sparse_moe.gate",
     "mlp.gate",
 )
+# MoE routers stay unquantised whatever a quantization_config lists (their top-k decides which experts run).
+ALWAYS_KEPT = ("block_sparse_moe.gate", "mlp.gate")
+# Which linear layers a quantisation converts (``--only``): all of them, or the routed experts alone (the
+# published INT4 Kimi K2 convention: attention, shared experts, dense MLPs, router and embeddings stay
+# bf16). Patterns match whole dotted components, so "experts" is not "shared_experts".
+SELECTIONS: dict[str, tuple[str, ...] | None] = {"all": None, "routed-experts": ("experts",)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,20 @@ class QuantConfig:
     group_size: int | None = None  # int4 only: input channels per scale/zero group
     symmetric: bool = False  # int4 only: no zero points, codes centred on 8
     modules_not_converted: tuple[str, ...] = field(default=DEFAULT_NOT_CONVERTED)
+    # Only layers matching one of these are converted (None: every linear layer not excluded above).
+    modules_to_convert: tuple[str, ...] | None = None
+
+    @classmethod
+    def selecting(cls, format: str, only: str = "all", **kwargs: Any) -> QuantConfig:
+        """``format`` for the layers ``only`` names (a key of ``SELECTIONS``)."""
+        if only not in SELECTIONS:
+            raise ValueError(f"--only must be one of {', '.join(SELECTIONS)}, got {only!r}")
+        return cls(format, modules_to_convert=SELECTIONS[only], **kwargs)
+
+    @property
+    def selection(self) -> str:
+        """The ``SELECTIONS`` name of ``modules_to_convert`` ("custom" for a hand-written list)."""
+        return next((k for k, v in SELECTIONS.items() if v == self.modules_to_convert), "custom")
 
     def __post_init__(self) -> None:
         if self.format not in QUANTIZED_FORMATS:
@@ -48,11 +68,17 @@ class QuantConfig:
 
     def converts(self, module_name: str) -> bool:
         """Whether the linear layer ``module_name`` (e.g. ``model.layers.0.mlp.up_proj``) is quantised."""
-        return converts(module_name, self.modules_not_converted)
+        if not converts(module_name, self.modules_not_converted + ALWAYS_KEPT):
+            return False
+        return self.modules_to_convert is None or not converts(module_name, self.modules_to_convert)
 
     def to_json(self) -> dict[str, Any]:
         body = {"quant_method": QUANT_METHOD, **asdict(self)}
         body["modules_not_converted"] = list(self.modules_not_converted)
+        if self.modules_to_convert is None:
+            del body["modules_to_convert"]
+        else:
+            body["modules_to_convert"] = list(self.modules_to_convert)
         if self.format == "fp8":
             del body["group_size"], body["symmetric"]
         return body
@@ -69,6 +95,9 @@ class QuantConfig:
             group_size=raw.get("group_size"),
             symmetric=bool(raw.get("symmetric", False)),
             modules_not_converted=tuple(raw.get("modules_not_converted", DEFAULT_NOT_CONVERTED)),
+            modules_to_convert=None
+            if raw.get("modules_to_convert") is None
+            else tuple(raw["modules_to_convert"]),
         )
 
 

@@ -25,7 +25,6 @@ speculative-decoding (MTP) layers, vision towers, and sliding-window layers (cac
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -37,13 +36,13 @@ from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.formats.fp8 import FP8_DTYPE
 from gpu_workers.kv import KVSpec
 from gpu_workers.model.loader import MODEL_CLASSES
+from gpu_workers.quant.config import QuantConfig
 
 GIB = 2**30
 KV_FORMATS = ("bf16", "fp8_e4m3")
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}  # what the engine's KVCache stores
 WEIGHT_FORMATS = ("bf16", "fp8", "int4")
 INT4_GROUP = 128
-_ROUTER = re.compile(r"(mlp|block_sparse_moe)\.gate\.")  # the MoE router, not a gate_proj
 
 # Published shapes (config.json of each model's official Hugging Face repository). Only the fields the
 # memory model reads are kept.
@@ -221,12 +220,18 @@ class ModelShapes:
     def num_params(self) -> int:
         return sum(_numel(shape) for shape in self.tensors.values())
 
-    def weight_bytes(self, weight_format: str) -> int:
+    @property
+    def has_routed_experts(self) -> bool:
+        return any(is_quantizable(name, shape, "routed-experts") for name, shape in self.tensors.items())
+
+    def weight_bytes(self, weight_format: str, only: str = "all") -> int:
+        """Bytes of the weights in ``weight_format``, the linear layers ``only`` selects converted (what
+        ``tessera quantize --only`` writes), every other tensor in bf16."""
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(
                 f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}"
             )
-        return sum(_tensor_bytes(name, shape, weight_format) for name, shape in self.tensors.items())
+        return sum(_tensor_bytes(name, shape, weight_format, only) for name, shape in self.tensors.items())
 
 
 @dataclass(frozen=True)
@@ -439,16 +444,18 @@ def _swiglu(prefix: str, hidden: int, size: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear weights are quantised; embeddings, lm_head, norms, biases and MoE routers stay bf16."""
-    if len(shape) < 2 or "embed_tokens" in name or name.startswith("lm_head"):
+def is_quantizable(name: str, shape: tuple[int, ...], only: str = "all") -> bool:
+    """Whether a quantisation converts this tensor: a linear weight that ``quant.config`` (the rule
+    ``tessera quantize`` and the loader apply) converts under the selection ``only``; embeddings, lm_head,
+    norms, biases and MoE routers stay bf16."""
+    if len(shape) != 2 or not name.endswith(".weight"):
         return False
-    return _ROUTER.search(name) is None
+    return QuantConfig.selecting("int4", only, group_size=INT4_GROUP).converts(name.removesuffix(".weight"))
 
 
-def _tensor_bytes(name: str, shape: tuple[int, ...], weight_format: str) -> int:
+def _tensor_bytes(name: str, shape: tuple[int, ...], weight_format: str, only: str = "all") -> int:
     numel = _numel(shape)
-    if weight_format == "bf16" or not is_quantizable(name, shape):
+    if weight_format == "bf16" or not is_quantizable(name, shape, only):
         return 2 * numel
     rows, cols = numel // shape[-1], shape[-1]
     if weight_format == "fp8":
@@ -479,6 +486,12 @@ def report(
         "reserve_gib_per_gpu": reserve_gib,
         "gpus": gpus,
         "weight_bytes": {fmt: model.weight_bytes(fmt) for fmt in WEIGHT_FORMATS},
+        # `tessera quantize --only routed-experts`: the routed experts converted, everything else bf16
+        "weight_bytes_routed_experts_only": {
+            fmt: model.weight_bytes(fmt, "routed-experts") for fmt in ("fp8", "int4")
+        }
+        if model.has_routed_experts
+        else None,
         "rows": [asdict(row) for row in rows],
     }
 
@@ -521,5 +534,11 @@ def format_table(
     if rope_bf16 is not None:
         lines.append(
             f"MLA's fp8_e4m3 layout with the rope key in bf16 (model option kv_rope_bf16): {rope_bf16:,.2f}"
+        )
+    if model.has_routed_experts:
+        only = {fmt: model.weight_bytes(fmt, "routed-experts") / gpus / GIB for fmt in ("int4", "fp8")}
+        lines.append(
+            f"routed experts only converted (tessera quantize --only routed-experts): int4 "
+            f"{only['int4']:.1f} GiB/GPU, fp8 {only['fp8']:.1f} GiB/GPU"
         )
     return "\n".join(lines)

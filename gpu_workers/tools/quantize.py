@@ -23,7 +23,7 @@ from gpu_workers.checkpoint import ModelConfig, read_json
 from gpu_workers.formats.fp8 import FP8_DTYPE
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4
 from gpu_workers.model.loader import INDEX_FILE, safetensors_files
-from gpu_workers.quant.config import WEIGHT_FORMATS, QuantConfig, validate_group_size
+from gpu_workers.quant.config import SELECTIONS, WEIGHT_FORMATS, QuantConfig, validate_group_size
 
 STORED_DTYPE = torch.bfloat16  # unquantised tensors
 
@@ -51,10 +51,13 @@ def quantize_checkpoint(
     group_size: int = 128,
     symmetric: bool = False,
     progress: bool = False,
+    only: str = "all",
 ) -> ConversionReport:
-    """Write ``src`` converted to ``weights`` (round to nearest) into the new folder ``dst``.
+    """Write ``src`` converted to ``weights`` (round to nearest) into the new folder ``dst``; ``only``
+    ("all" or "routed-experts", ``quant.config.SELECTIONS``) picks the linear layers converted.
 
-    Raises ValueError for a bad request (unknown format, already quantised source, non-empty ``dst``).
+    Raises ValueError for a bad request (unknown format or selection, already quantised source, non-empty
+    ``dst``, a routed-experts selection on a model without routed experts).
     """
     src, dst = Path(src), Path(dst)
     if weights not in WEIGHT_FORMATS:
@@ -70,10 +73,20 @@ def quantize_checkpoint(
         raise ValueError(f"{dst} already exists and is not an empty folder; choose a new output folder")
     if weights == "int4":
         validate_group_size(group_size)
+    if only not in SELECTIONS:
+        raise ValueError(f"--only must be one of {', '.join(SELECTIONS)}, got {only!r}")
+    if only != "all" and weights == "bf16":
+        raise ValueError(f"--only {only} selects layers to quantise; it needs --weights int4 or fp8")
+    if only == "routed-experts" and not model_config.num_experts:
+        raise ValueError(
+            f"--only routed-experts: {src} ({model_config.architecture}) has no routed experts; "
+            "use --only all"
+        )
     quant = None
     if weights != "bf16":
-        quant = QuantConfig(
+        quant = QuantConfig.selecting(
             weights,
+            only,
             group_size=group_size if weights == "int4" else None,
             symmetric=symmetric if weights == "int4" else False,
         )

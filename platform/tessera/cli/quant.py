@@ -28,6 +28,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     quant.add_argument(
         "--symmetric", action="store_true", help="int4 without zero points (codes centred on 8)"
     )
+    quant.add_argument(
+        "--only",
+        choices=("all", "routed-experts"),
+        default="all",
+        help="which linear layers to convert: all (default) or the MoE's routed experts alone "
+        "(attention, shared experts, dense MLPs stay bf16; routers and norms never convert)",
+    )
     quant.set_defaults(func=cmd_quantize)
 
 
@@ -35,9 +42,10 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from gpu_workers.tools.quantize import quantize_checkpoint
 
     report = quantize_checkpoint(
-        args.src, args.dst, args.weights, args.group_size, args.symmetric, progress=True
+        args.src, args.dst, args.weights, args.group_size, args.symmetric, progress=True, only=args.only
     )
-    print(f"wrote {args.dst}: {_describe(args.weights, args.group_size, args.symmetric)}")
+    only = "" if args.only == "all" else f" ({args.only} only)"
+    print(f"wrote {args.dst}: {_describe(args.weights, args.group_size, args.symmetric)}{only}")
     print(
         f"{report.converted_tensors} linear weights converted, {report.kept_tensors} tensors kept in bf16 "
         "(embeddings, lm_head, norms, biases, MoE routers)"
