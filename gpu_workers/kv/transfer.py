@@ -2,7 +2,9 @@
 
 A ``KVBlock`` holds the first ``num_tokens`` tokens of a sequence, free of any page layout except one thing:
 an FP8 block keeps the scale every page was written with, one per (layer, page of ``page_size`` tokens) for
-K and V, so FP8 travels bit for bit and is never quantised a second time.
+K and V, so FP8 travels bit for bit and is never quantised a second time. A cache whose values are its keys
+(``KVSpec.v_is_k``: MLA's latent entry) sends that one tensor once: the block's ``v`` and ``v_scale`` are
+None.
 
 The steps are split so that an engine holds its lock only for plain copies:
 - ``read_pages`` (under the sending engine's lock): the tokens as the cache stores them, with their pages'
@@ -49,7 +51,7 @@ class KVBlock:
     kv_format: str
     num_tokens: int
     k: torch.Tensor  # [layers, tokens, kv_heads, head_dim]; uint8 bits for fp8_e4m3
-    v: torch.Tensor
+    v: torch.Tensor | None  # None: the values are the keys (a v_is_k entry, sent once)
     k_scale: torch.Tensor | None = None  # [layers, pages] fp32, fp8_e4m3 only: each page's scale
     v_scale: torch.Tensor | None = None
     page_size: int = 0  # tokens per page of the cache it came from; what the FP8 scales are per
@@ -57,8 +59,11 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.k_scale is not None else 0
-        return self.k.nbytes + self.v.nbytes + scales
+        return sum(t.nbytes for t in self.tensors().values())
+
+    @property
+    def v_is_k(self) -> bool:
+        return self.v is None
 
     @property
     def num_pages(self) -> int:
@@ -66,10 +71,8 @@ class KVBlock:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Named tensors for serialisation (safetensors); ``metadata`` holds the rest."""
-        out = {"k": self.k, "v": self.v}
-        if self.k_scale is not None:
-            out |= {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        return out
+        out = {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+        return {name: t for name, t in out.items() if t is not None}
 
     def metadata(self) -> str:
         return json.dumps(
@@ -79,7 +82,7 @@ class KVBlock:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: str) -> KVBlock:
         meta = json.loads(metadata)
-        k, v = tensors["k"], tensors["v"]
+        k, v = tensors["k"], tensors.get("v")
         block = cls(
             meta["kv_format"],
             k.shape[1],
@@ -109,23 +112,30 @@ class KVBlock:
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as float32 [layers, tokens, kv_heads, head_dim]."""
         if self.kv_format != FP8:
-            return self.k.float(), self.v.float()
+            k = self.k.float()
+            return k, (k if self.v is None else self.v.float())
         page_of = torch.arange(self.num_tokens, device=self.k.device) // self.page_size
-        return (
-            dequantize_fp8_entry(self.k, self.k_scale[:, page_of, None, None], torch.float32, self.head_dim),
-            dequantize_fp8_entry(self.v, self.v_scale[:, page_of, None, None], torch.float32, self.head_dim),
-        )
+
+        def read(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return dequantize_fp8_entry(bits, scale[:, page_of, None, None], torch.float32, self.head_dim)
+
+        k = read(self.k, self.k_scale)
+        return k, (k if self.v is None else read(self.v, self.v_scale))
 
 
 def check(block: KVBlock, spec=None) -> None:
     """Raise InvalidKVBlock saying what is wrong with ``block`` (against the model's ``KVSpec`` if given)."""
     if block.kv_format not in KV_FORMATS:
         raise InvalidKVBlock(f"unknown KV format {block.kv_format!r}; expected one of {sorted(KV_FORMATS)}")
-    k, v = block.k, block.v
+    k, v = block.k, block.k if block.v is None else block.v
     if k.dim() != 4 or k.shape != v.shape or k.shape[1] != block.num_tokens:
         raise InvalidKVBlock(
             f"K {tuple(k.shape)} and V {tuple(v.shape)} must both be [layers, {block.num_tokens} tokens, "
             "KV heads, head dim]"
+        )
+    if spec is not None and block.v_is_k and not spec.v_is_k:
+        raise InvalidKVBlock(
+            "this KV block has no V (its values are its keys), but this model's cache stores V"
         )
     stored = torch.uint8 if block.kv_format == FP8 else KV_FORMATS[block.kv_format]
     if k.dtype != stored or v.dtype != stored:
@@ -148,7 +158,8 @@ def check(block: KVBlock, spec=None) -> None:
     if block.kv_format != FP8:
         return
     expected = (k.shape[0], block.num_pages)
-    for name, scale in (("k_scale", block.k_scale), ("v_scale", block.v_scale)):
+    scales = [("k_scale", block.k_scale)] + ([] if block.v_is_k else [("v_scale", block.v_scale)])
+    for name, scale in scales:
         if block.page_size <= 0 or scale is None or tuple(scale.shape) != expected:
             raise InvalidKVBlock(
                 f"an fp8_e4m3 block needs {name} of shape [layers, pages] = {list(expected)} for its "
@@ -173,14 +184,16 @@ def read_pages(cache: KVCache, pages: list[int], num_tokens: int) -> KVBlock:
     """A copy of tokens [0, num_tokens) held in ``pages``, as the cache stores them (cheap: run it under the lock)."""
     device = cache.k.device
     slots = _slots(pages, num_tokens, cache.page_size, device)
+    v_is_k = cache.spec.v_is_k
     k = _flat(cache, cache.k).index_select(1, slots)
-    v = _flat(cache, cache.v).index_select(1, slots)
+    v = None if v_is_k else _flat(cache, cache.v).index_select(1, slots)
     block = KVBlock(
         kv_format_name(cache.dtype), num_tokens, k, v, page_size=cache.page_size, bf16_tail=cache.tail
     )
     if cache.quantized:
         held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
-        block.k_scale, block.v_scale = cache.k_scale[:, held], cache.v_scale[:, held]
+        block.k_scale = cache.k_scale[:, held]
+        block.v_scale = None if v_is_k else cache.v_scale[:, held]
     return block
 
 
@@ -191,13 +204,14 @@ def convert(block: KVBlock, kv_format: str) -> KVBlock:
     if block.kv_format == kv_format:
         return block.to("cpu")
     k, v = block.dequantized()
+    v = None if block.v_is_k else v
     if kv_format != FP8:
         dtype = KV_FORMATS[kv_format]
         return KVBlock(
-            kv_format, block.num_tokens, k.to(dtype).cpu(), v.to(dtype).cpu(), page_size=block.page_size
+            kv_format, block.num_tokens, k.to(dtype).cpu(), _cast(v, dtype), page_size=block.page_size
         )
     page_size = block.page_size or block.num_tokens  # a layout-free block: all of it is one page
-    return _quantized(k, v, fp8_scale_pow2(_amax(k)), fp8_scale_pow2(_amax(v)), page_size).to("cpu")
+    return _quantized(k, v, fp8_scale_pow2(_amax(k)), _scale_of(v), page_size).to("cpu")
 
 
 def for_cache(block: KVBlock, cache: KVCache) -> KVBlock:
@@ -205,23 +219,25 @@ def for_cache(block: KVBlock, cache: KVCache) -> KVBlock:
     check(block, cache.spec)
     block = block.to(cache.k.device)
     kv_format = kv_format_name(cache.dtype)
+    if block.v is not None and cache.spec.v_is_k:  # a sender that sent the shared tensor twice
+        block = replace(block, v=None, v_scale=None)
     if not cache.quantized:
         if block.kv_format == kv_format:
             return block
         k, v = block.dequantized()
-        return KVBlock(
-            kv_format, block.num_tokens, k.to(cache.dtype), v.to(cache.dtype), page_size=cache.page_size
-        )
+        v = None if block.v_is_k else _cast(v, cache.dtype)
+        return KVBlock(kv_format, block.num_tokens, k.to(cache.dtype), v, page_size=cache.page_size)
     static = cache.static_scales
     same_layout = block.page_size == cache.page_size and block.bf16_tail == cache.tail
     if block.kv_format == FP8 and same_layout and static is None:
         return block  # the pages' own scales: bit for bit what the sending cache held
     k, v = block.dequantized()
+    v = None if block.v_is_k else v
     if static is not None:
         k_scale = torch.tensor(static.k_scale, dtype=SCALE_DTYPE, device=k.device)
-        v_scale = torch.tensor(static.v_scale, dtype=SCALE_DTYPE, device=k.device)
+        v_scale = None if v is None else torch.tensor(static.v_scale, dtype=SCALE_DTYPE, device=k.device)
     else:
-        k_scale, v_scale = fp8_scale_pow2(_amax(k, cache.tail)), fp8_scale_pow2(_amax(v, cache.tail))
+        k_scale, v_scale = fp8_scale_pow2(_amax(k, cache.tail)), _scale_of(v, cache.tail)
     return _quantized(k, v, k_scale, v_scale, cache.page_size, cache.tail)
 
 
@@ -235,14 +251,27 @@ def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
             f"be copied into a {kv_format_name(cache.dtype)} cache of page size {cache.page_size} (bf16 tail "
             f"{cache.tail}); convert it with for_cache"
         )
+    if block.v_is_k != cache.spec.v_is_k:
+        raise InvalidKVBlock("a block without V fits only a cache whose values are its keys; use for_cache")
     device = cache.k.device
     slots = _slots(pages, block.num_tokens, cache.page_size, device)
     _flat(cache, cache.k)[:, slots] = block.k
-    _flat(cache, cache.v)[:, slots] = block.v
+    if not cache.spec.v_is_k:  # else V is K's own tensor, written just now
+        _flat(cache, cache.v)[:, slots] = block.v
     if cache.quantized:
         held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
         cache.k_scale[:, held] = block.k_scale
-        cache.v_scale[:, held] = block.v_scale
+        if not cache.spec.v_is_k:
+            cache.v_scale[:, held] = block.v_scale
+
+
+def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(dtype)
+
+
+def _scale_of(x: torch.Tensor | None, tail: int = 0) -> torch.Tensor | None:
+    """The dynamic per-layer scale of ``x`` (None for an absent V)."""
+    return None if x is None else fp8_scale_pow2(_amax(x, tail))
 
 
 def _amax(x: torch.Tensor, tail: int = 0) -> torch.Tensor:
@@ -252,22 +281,30 @@ def _amax(x: torch.Tensor, tail: int = 0) -> torch.Tensor:
 
 def _quantized(
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
+    v_scale: torch.Tensor | None,
     page_size: int,
     tail: int = 0,
 ) -> KVBlock:
-    """An FP8 block of float K/V quantised with one scale per layer, recorded for each of its pages."""
+    """An FP8 block of float K/V quantised with one scale per layer, recorded for each of its pages (V
+    absent when the values are the keys)."""
     num_tokens = k.shape[1]
     num_pages = -(-num_tokens // page_size)
+
+    def bits(x: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else quantize_fp8_entry(x, scale[:, None, None, None], tail)
+
+    def per_page(scale: torch.Tensor | None) -> torch.Tensor | None:
+        return None if scale is None else scale[:, None].expand(-1, num_pages).contiguous()
+
     return KVBlock(
         FP8,
         num_tokens,
-        quantize_fp8_entry(k, k_scale[:, None, None, None], tail),
-        quantize_fp8_entry(v, v_scale[:, None, None, None], tail),
-        k_scale[:, None].expand(-1, num_pages).contiguous(),
-        v_scale[:, None].expand(-1, num_pages).contiguous(),
+        bits(k, k_scale),
+        bits(v, v_scale),
+        per_page(k_scale),
+        per_page(v_scale),
         page_size,
         tail,
     )
