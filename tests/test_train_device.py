@@ -57,12 +57,12 @@ def small_stdlib(tmp_path, monkeypatch) -> Path:
 def test_corpus_cache_round_trips_exactly_and_outlives_the_stdlib_it_came_from(small_stdlib, tmp_path):
     cache = tmp_path / "corpus.pt"
     args = pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(cache)])
-    built, written = pycode._prepare_corpus(args)
+    built, written = pycode.prepare_corpus(args)
     assert cache.is_file() and written == {"path": str(cache), "sha256": file_sha256(cache), "loaded": False}
 
     # Another machine's stdlib differs: here a training file is gone, so a rebuild would differ.
     (small_stdlib / built.train_files[0]).unlink()
-    loaded, read = pycode._prepare_corpus(args)
+    loaded, read = pycode.prepare_corpus(args)
     assert read == {"path": str(cache), "sha256": written["sha256"], "loaded": True}
     assert loaded.train_files == built.train_files and loaded.heldout_files == built.heldout_files
     assert loaded.heldout_files == sorted(f for f in SOURCE_FILES if data.is_heldout(f, HELDOUT_PERCENT))
@@ -73,25 +73,25 @@ def test_corpus_cache_round_trips_exactly_and_outlives_the_stdlib_it_came_from(s
         assert got.dtype == torch.long and torch.equal(got, want)
     assert loaded.tokenizer.to_str() == built.tokenizer.to_str()
     assert loaded.python_version == built.python_version
-    rebuilt, _ = pycode._prepare_corpus(pycode.parse_args(TINY_MODEL))
+    rebuilt, _ = pycode.prepare_corpus(pycode.parse_args(TINY_MODEL))
     assert len(rebuilt.train_stream) < len(built.train_stream)  # the cache, not the stdlib, was read
 
 
 def test_cache_made_with_other_flags_or_not_a_cache_is_refused(small_stdlib, tmp_path):
     cache = tmp_path / "corpus.pt"
-    pycode._prepare_corpus(pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(cache)]))
+    pycode.prepare_corpus(pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(cache)]))
     other_split = pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(cache), "--heldout-percent", "3"])
     with pytest.raises(SystemExit, match="50% held-out split, not --heldout-percent 3"):
-        pycode._prepare_corpus(other_split)
+        pycode.prepare_corpus(other_split)
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a torch file")
     with pytest.raises(SystemExit, match="is not a corpus cache"):
-        pycode._prepare_corpus(pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(junk)]))
+        pycode.prepare_corpus(pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(junk)]))
 
 
 def test_three_cpu_steps_from_a_cache_write_a_loadable_checkpoint(small_stdlib, tmp_path):
     cache, out = tmp_path / "corpus.pt", tmp_path / "model"
-    pycode._prepare_corpus(pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(cache)]))
+    pycode.prepare_corpus(pycode.parse_args([*TINY_MODEL, "--corpus-cache", str(cache)]))
     pycode.main(
         [
             *TINY_MODEL,

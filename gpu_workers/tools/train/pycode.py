@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    corpus, cache_record = _prepare_corpus(args)
+    corpus, cache_record = prepare_corpus(args)
     tokenizer, train_stream = corpus.tokenizer, corpus.train_stream
     windows = eval_windows(corpus.heldout_stream, args.context)
     heldout_targets = torch.cat([w[1] for w in windows])
@@ -315,7 +315,7 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | None]:
+def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | None]:
     """The tokenised corpus, from ``--corpus-cache`` when that file exists (checked against the flags and
     ``--init-from``'s tokenizer), else from this Python's stdlib (written to the cache if one is named).
     Also what training.json records of the cache: its path, sha256 and whether it was read."""
