@@ -4,13 +4,16 @@ served by workers reporting it, token counts are the server's and the ledger's, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -26,6 +29,8 @@ from tessera.bench.matrix import (
 )
 from tessera.bench.schemas import validate
 from tessera.launcher import DEFAULT_MODEL
+
+from gpu_workers.protocol import EXIT_RELOAD
 
 
 def level(concurrency: int, held: bool) -> dict:
@@ -92,15 +97,39 @@ def test_axes_share_runs_and_the_served_config_goes_first():
     ]
 
 
-def test_mode_axis_is_refused_with_the_reason():
+def test_mode_axis_without_a_second_deployment_is_refused_with_the_reason():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", "http://127.0.0.1:9"]
     command += ["--admin-key", "a", "--api-key", "k", "--model", DEFAULT_MODEL, "--axes", "kv,mode"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
+    assert "the mode axis needs --mode-deployment NAME" in done.stderr
     assert "a worker refuses a pool its deployment's mode does not have" in done.stderr
     done = subprocess.run([*command[:-1], "kv,speed"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--axes takes a comma-separated subset" in done.stderr
+    done = subprocess.run(
+        [*command[:-1], "kv", "--mode-deployment", "@x/y"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "add mode to --axes" in done.stderr
+
+
+def test_mode_axis_runs_each_mode_on_its_own_deployment_with_one_config():
+    original = {
+        "dtype": "float32",
+        "kv_budget_bytes": 2**20,
+        "decode_kv": "fp8_e4m3",
+        "prefill_weights": "bf16",
+        "decode_weights": "bf16",
+        "integrity_check": True,
+        "prefix_cache": True,
+    }
+    spec = MatrixSpec("u", "a", "k", "d", ["kv", "mode"], [1], 16, 4, kv_budget_bytes=3 * 2**20)
+    runs, of = plan(spec, original, {"disaggregated": "d", "colocated": "c"})
+    # The disaggregated variant is the kv axis' fp8 run (one config, one deployment): measured once.
+    assert of[("mode", "disaggregated")] == of[("kv", "fp8_e4m3")]
+    colocated = runs[of[("mode", "colocated")]]
+    assert colocated.deployment == "c" and colocated.config == runs[of[("kv", "fp8_e4m3")]].config
+    assert len(runs) == 3 and {r.deployment for r in runs} == {"d", "c"}
 
 
 # --- against tessera up ----------------------------------------------------------------------------------------
@@ -287,3 +316,118 @@ def test_matrix_stopped_mid_run_restores_the_original_config(up):
     assert "restoring the original config" in stderr
     restored = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
     assert {k: restored[k] for k in fields} == {k: original[k] for k in fields}
+
+
+COLOCATED = "@tessera/pycode-tiny-colocated"
+
+
+@contextlib.contextmanager
+def colocated_deployment(up, log_path):
+    """The default model's checkpoint deployed colocated beside tessera up's disaggregated one, and its serve
+    worker, restarted on a config change (exit EXIT_RELOAD) the way a supervisor does."""
+    default = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
+    body = {
+        k: default[k]
+        for k in ("checkpoint", "page_size", "max_num_seqs", "max_model_len", "max_tokens_limit")
+    }
+    headers = {"Authorization": f"Bearer {up.key}"}
+    created = httpx.post(
+        f"{up.url}/admin/deployments", json={**body, "name": COLOCATED, "mode": "colocated"}, headers=headers
+    )
+    assert created.status_code in (201, 409), created.text
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    env |= {"TESSERA_DATA_DIR": str(up.data_dir), "TESSERA_REDIS_URL": f"redis+socket://{up.redis_socket}"}
+    worker = [sys.executable, "-m", "tessera.cli", "worker", "--deployment", COLOCATED, "--pool", "serve"]
+    loop = f"while :; do {shlex.join(worker)}; [ $? -eq {EXIT_RELOAD} ] || exit; done"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(["bash", "-c", loop], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not any(
+            p["deployment"] == COLOCATED and p["live_workers"] for p in admin_get(up, "/admin/pools")["data"]
+        ):
+            assert process.poll() is None, Path(log_path).read_text()
+            assert time.monotonic() < deadline, "the colocated worker was not live in 180 s"
+            time.sleep(0.5)
+        yield
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # the loop and the worker it runs: a group of its own
+        process.wait(timeout=60)
+
+
+def usage_by_model(up) -> dict[str, dict]:
+    return {r["model"]: r for r in admin_get(up, "/v1/usage", group_by="model")["data"]}
+
+
+@pytest.mark.slow
+def test_matrix_mode_axis_compares_a_colocated_and_a_disaggregated_deployment(up, tmp_path):
+    with colocated_deployment(up, tmp_path / "colocated-worker.log"):
+        originals = {n: admin_get(up, f"/admin/deployments/{n}") for n in (DEFAULT_MODEL, COLOCATED)}
+        before = usage_by_model(up)
+        out = tmp_path / "mode.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", up.url]
+        command += ["--admin-key", up.key, "--api-key", up.key, "--model", DEFAULT_MODEL]
+        command += ["--axes", "mode", "--mode-deployment", COLOCATED, "--concurrency", "1,2"]
+        command += ["--input-len", "24", "--output-len", "4", "--requests-per-client", "2"]
+        command += ["--kv-budget-bytes", str(BUDGET), "--repeats", "2", "--json", str(out)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (
+            f"{done.stdout}\n{done.stderr}\n{(tmp_path / 'colocated-worker.log').read_text()}"
+        )
+        report = json.loads(out.read_text())
+        totals = report["totals"]
+        deadline = time.monotonic() + 60
+        while True:
+            after = usage_by_model(up)
+            sent = {
+                k: sum(
+                    after.get(m, {}).get(k, 0) - before.get(m, {}).get(k, 0)
+                    for m in (DEFAULT_MODEL, COLOCATED)
+                )
+                for k in ("requests", "input_tokens", "output_tokens")
+            }
+            if sent["output_tokens"] >= totals["output_tokens"] or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        restored = {n: admin_get(up, f"/admin/deployments/{n}") for n in (DEFAULT_MODEL, COLOCATED)}
+    validate(report, "matrix")
+    assert "serving mode" in done.stdout
+    axis = report["axes"]["mode"]
+    runs = {name: report["runs"][i] for name, i in axis["variants"].items()}
+    assert (
+        runs["disaggregated"]["deployment"] == DEFAULT_MODEL and runs["colocated"]["deployment"] == COLOCATED
+    )
+    assert runs["disaggregated"]["config"] == runs["colocated"]["config"]  # one config, two modes
+    assert runs["colocated"]["config"]["kv_budget_bytes"] == BUDGET
+    for name, pools, workers in (("disaggregated", {"prefill", "decode"}, 2), ("colocated", {"serve"}, 1)):
+        run = runs[name]
+        assert run["mode"] == name and run["workers"] == workers
+        for repeat in run["repeats"]:
+            assert set(repeat["served"]) == pools  # the workers that served it were that mode's
+            assert all(p["live_workers"] == 1 for p in repeat["served"].values())
+        for lv in run["levels"]:
+            assert lv["completed"] == lv["requests"] == lv["concurrency"] * 2 * 2
+            assert lv["output_tokens"] == lv["completed"] * 4
+        assert run["stats"]["output_throughput@2"]["ci95"] is not None
+    ratio = axis["ratios"]["colocated"]["peak_output_throughput"]
+    paired = [c["peak_output_throughput"] / d["peak_output_throughput"]
+              for c, d in zip(runs["colocated"]["repeats"], runs["disaggregated"]["repeats"], strict=True)]  # fmt: skip
+    assert ratio["values"] == [pytest.approx(r, abs=1e-4) for r in paired]
+    # Interleaved: disaggregated, colocated, disaggregated, colocated.
+    ran = sorted((rep["started_s"], name) for name, run in runs.items() for rep in run["repeats"])
+    assert [name for _, name in ran] == ["disaggregated", "colocated"] * 2
+    # Every request reached the ledger under its deployment's model, with the server's token counts.
+    assert sent == {
+        "requests": totals["requests"],
+        "input_tokens": totals["prompt_tokens"],
+        "output_tokens": totals["output_tokens"],
+    }
+    assert totals["completed"] == totals["requests"]
+    # Both deployments are back on their original configs.
+    for name in (DEFAULT_MODEL, COLOCATED):
+        assert {k: restored[name][k] for k in report["original_config"]} == {
+            k: originals[name][k] for k in report["original_config"]
+        }
+    assert report["mode_deployment"]["restored_config"] == report["mode_deployment"]["original_config"]

@@ -1,7 +1,7 @@
 """``tessera bench matrix``: the same closed-loop load against a deployment's configurations, side by side.
 
-For each configuration of the chosen axes (decode KV format, weight format, integrity check, prefix cache),
-under one fixed ``kv_budget_bytes`` per worker: PATCH the deployment through the admin API, wait until every
+For each configuration of the chosen axes (decode KV format, weight format, integrity check, prefix cache,
+serving mode), under one fixed ``kv_budget_bytes`` per worker: PATCH the deployment through the admin API, wait until every
 live worker reports the new config version and none is draining, then run ``tessera bench serve``'s closed
 loop at each concurrency while ``/admin/pools`` is sampled. The deployment's original config is put back at
 the end, also after an error or Ctrl-C.
@@ -11,6 +11,10 @@ serve when colocated) neither preempted a sequence (the ``preemptions`` counter 
 after) nor kept a request waiting for memory (a sample with ``waiting > 0`` while fewer pages were free than
 a prompt needs, or every batch slot taken). A request that waits one step for its hand-off to be imported is
 not queueing. A configuration's *held concurrency* is the highest level held with every lower level held.
+
+A deployment's mode cannot change live (its workers' pools would no longer exist), so the mode axis compares
+two deployments of one checkpoint on the same server, one per mode (``mode_deployment`` is the second, its
+workers started by whoever runs the matrix): both get the same config, the same load and the same repeats.
 
 Cost per million output tokens: ``--worker-usd-per-hour`` times the deployment's live workers times the
 level's duration, over its output tokens, at the configuration's peak level; beside it what the server billed
@@ -53,13 +57,14 @@ RELOAD_TIMEOUT_S = 300.0
 SAMPLE_INTERVAL_S = 0.5
 FRESH_HEARTBEAT_TIMEOUT_S = 10.0  # workers heartbeat every 2 s
 PREFILL_CONCURRENCY = 4
-MODE_UNSUPPORTED = (
-    "colocated vs disaggregated cannot be benchmarked by a live change: a config change restarts each worker "
-    "on its own pool, and a worker refuses a pool its deployment's mode does not have (`tessera worker "
-    "--pool decode` exits 2 on a colocated deployment), so after a mode change no worker would serve it. Set "
-    "the mode with `tessera deployments update --mode`, start that mode's workers, and run the matrix once "
-    "per mode"
+MODE_NEEDS_A_SECOND_DEPLOYMENT = (
+    "the mode axis needs --mode-deployment NAME: the same checkpoint deployed in the other mode on this "
+    "server, with its workers running (a live mode change cannot be benchmarked: a config change restarts "
+    "each worker on its own pool, and a worker refuses a pool its deployment's mode does not have, so after "
+    "a mode change no worker would serve it). See BENCHMARKS.md for a colocated deployment beside `tessera up`"
 )
+# What must be equal in the two deployments of the mode axis besides CONFIG_FIELDS (which the matrix sets).
+MODE_SAME_FIELDS = ("checkpoint", "page_size", "max_num_seqs", "max_model_len", "prefill_kv")
 # Figures of each level that get an interval over repeats (``serve.metric`` names), keyed "name@concurrency".
 LEVEL_STAT_METRICS = (
     "output_throughput",
@@ -96,6 +101,7 @@ class Axis:
     variants: tuple[Variant, ...]  # the first is the baseline of its ratios
     shared_prefix: bool = False  # its load shares a system prompt (the prefix cache's workload)
     prefill_probe: bool = False  # also measure prefill tok/s (prompt-only requests)
+    by_mode: bool = False  # its variants are the deployments serving each mode, not config changes
 
 
 AXES: dict[str, Axis] = {
@@ -123,9 +129,15 @@ AXES: dict[str, Axis] = {
             (Variant("off", {"prefix_cache": False}), Variant("on", {"prefix_cache": True})),
             shared_prefix=True,
         ),
+        Axis(
+            "mode",
+            "serving mode (one deployment per mode, one checkpoint)",
+            (Variant("disaggregated", {}), Variant("colocated", {})),
+            by_mode=True,
+        ),
     )
 }
-AXIS_NAMES = (*AXES, "mode")
+AXIS_NAMES = tuple(AXES)
 
 
 @dataclass
@@ -149,6 +161,7 @@ class MatrixSpec:
     seed: int | None = None  # default: a new one per run, so no prompt hits a cache an earlier run filled
     reload_timeout_s: float = RELOAD_TIMEOUT_S
     repeats: int = 1
+    mode_deployment: str | None = None  # the mode axis' second deployment: same checkpoint, the other mode
 
 
 # --- arithmetic ----------------------------------------------------------------------------------------------
@@ -427,16 +440,21 @@ class Run:
 
     config: dict[str, Any]
     shared_prefix: bool
+    deployment: str
     prefill_probe: bool = False
+    mode: str | None = None  # the deployment's, once measured
     measured: list[Measured] = field(default_factory=list)
     report: dict | None = None
 
     def key(self) -> tuple:
-        return (tuple(sorted(self.config.items())), self.shared_prefix)
+        return (tuple(sorted(self.config.items())), self.shared_prefix, self.deployment)
 
 
-def plan(spec: MatrixSpec, original: dict) -> tuple[list[Run], dict[tuple[str, str], int]]:
-    """The distinct runs the axes need (each shared configuration once) and, per (axis, variant), its run."""
+def plan(
+    spec: MatrixSpec, original: dict, modes: dict[str, str] | None = None
+) -> tuple[list[Run], dict[tuple[str, str], int]]:
+    """The distinct runs the axes need (each shared configuration once) and, per (axis, variant), its run.
+    ``modes``: the deployment serving each mode, for the mode axis."""
     base = {k: original[k] for k in CONFIG_FIELDS}
     if spec.kv_budget_bytes is not None:
         base["kv_budget_bytes"] = spec.kv_budget_bytes
@@ -448,7 +466,8 @@ def plan(spec: MatrixSpec, original: dict) -> tuple[list[Run], dict[tuple[str, s
     for name in spec.axes:
         axis = AXES[name]
         for variant in axis.variants:
-            run = Run({**base, **variant.changes}, axis.shared_prefix)
+            deployment = modes[variant.name] if axis.by_mode else spec.deployment
+            run = Run({**base, **variant.changes}, axis.shared_prefix, deployment)
             i = index.setdefault(run.key(), len(runs))
             if i == len(runs):
                 runs.append(run)
@@ -459,10 +478,13 @@ def plan(spec: MatrixSpec, original: dict) -> tuple[list[Run], dict[tuple[str, s
     current = {k: original[k] for k in CONFIG_FIELDS}
     first = {}
     for i, run in enumerate(runs):
-        first.setdefault(tuple(sorted(run.config.items())), i)
+        first.setdefault((tuple(sorted(run.config.items())), run.deployment), i)
     order = sorted(
         range(len(runs)),
-        key=lambda i: (runs[i].config != current, first[tuple(sorted(runs[i].config.items()))]),
+        key=lambda i: (
+            (runs[i].config, runs[i].deployment) != (current, spec.deployment),
+            first[(tuple(sorted(runs[i].config.items())), runs[i].deployment)],
+        ),
     )
     renumber = {old: new for new, old in enumerate(order)}
     return [runs[i] for i in order], {k: renumber[i] for k, i in of.items()}
@@ -488,16 +510,14 @@ class Matrix:
         self.admin = Admin(spec.url, spec.admin_key)
         self.seed = spec.seed if spec.seed is not None else random.randrange(2**31)
         self.all_outcomes: list[Outcome] = []
-        self.restored: dict | None = None
+        self.restored: dict[str, dict] = {}  # deployment -> its config after the restore
         self.started = time.monotonic()
 
-    def apply(self, config: dict, expected_pools: set[str]) -> tuple[int, list[dict]]:
-        """PATCH ``config`` and wait for every worker to serve it; (version, pools)."""
-        self.admin.update(self.spec.deployment, config)
-        version = self.admin.version(self.spec.deployment)
-        pools = wait_for_config(
-            self.admin, self.spec.deployment, version, expected_pools, self.spec.reload_timeout_s
-        )
+    def apply(self, name: str, config: dict, expected_pools: set[str]) -> tuple[int, list[dict]]:
+        """PATCH ``config`` into deployment ``name`` and wait for every worker to serve it; (version, pools)."""
+        self.admin.update(name, config)
+        version = self.admin.version(name)
+        pools = wait_for_config(self.admin, name, version, expected_pools, self.spec.reload_timeout_s)
         return version, pools
 
     def send_once(self, workload: Workload, prompt: list[int], what: str) -> None:
@@ -519,7 +539,7 @@ class Matrix:
     def workload(self, run: Run, repeat: int) -> Workload:
         s = self.spec
         return Workload(
-            s.deployment,
+            run.deployment,
             s.input_len,
             s.output_len,
             shared_prefix_len=(s.shared_prefix_len or s.input_len * 3 // 4) if run.shared_prefix else 0,
@@ -530,10 +550,11 @@ class Matrix:
     def measure(self, run: Run, repeat: int, tick: Callable[[], None]) -> Measured:
         s = self.spec
         started = time.monotonic() - self.started
-        deployment = self.admin.deployment(s.deployment)
+        deployment = self.admin.deployment(run.deployment)
+        run.mode = deployment["mode"]
         colocated = deployment["mode"] == "colocated"
         expected = {"serve"} if colocated else {"prefill", "decode"}
-        version, pools = self.apply(run.config, expected)
+        version, pools = self.apply(run.deployment, run.config, expected)
         workers = sum(p["live_workers"] for p in pools)
         kv_pools = {"serve"} if colocated else {"decode"}
         workload = self.workload(run, repeat)
@@ -547,7 +568,7 @@ class Matrix:
                 watched_level(
                     s.url,
                     s.admin_key,
-                    s.deployment,
+                    run.deployment,
                     s.api_key,
                     workload,
                     batch[start : start + size],
@@ -583,7 +604,7 @@ class Matrix:
             **config_summary(levels),
             "prefill": None if prefill is None else prefill_report(*prefill),
         }
-        report["served_after"] = _served(self.admin.pools(s.deployment))
+        report["served_after"] = _served(self.admin.pools(run.deployment))
         report["ended_s"] = round(time.monotonic() - self.started, 3)
         return Measured(report, measured, prefill, kv_pools, pages_needed, deployment["max_num_seqs"])
 
@@ -599,14 +620,40 @@ class Matrix:
         self.all_outcomes += outcomes
         return outcomes, duration
 
-    def restore(self, original: dict) -> None:
-        wanted = {k: original[k] for k in CONFIG_FIELDS}
-        current = self.admin.deployment(self.spec.deployment)
-        expected = {"serve"} if current["mode"] == "colocated" else {"prefill", "decode"}
-        if {k: current[k] for k in CONFIG_FIELDS} != wanted:
-            print(f"restoring the original config of {self.spec.deployment}", file=sys.stderr)
-            self.apply(wanted, expected)
-        self.restored = {k: self.admin.deployment(self.spec.deployment)[k] for k in CONFIG_FIELDS}
+    def restore(self, originals: dict[str, dict]) -> None:
+        """Put each deployment's original config back (the first error is raised after trying them all)."""
+        self.restored = {}
+        failed: BenchError | None = None
+        for name, original in originals.items():
+            wanted = {k: original[k] for k in CONFIG_FIELDS}
+            try:
+                current = self.admin.deployment(name)
+                expected = {"serve"} if current["mode"] == "colocated" else {"prefill", "decode"}
+                if {k: current[k] for k in CONFIG_FIELDS} != wanted:
+                    print(f"restoring the original config of {name}", file=sys.stderr)
+                    self.apply(name, wanted, expected)
+                self.restored[name] = {k: self.admin.deployment(name)[k] for k in CONFIG_FIELDS}
+            except BenchError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
+
+def mode_deployments(first: dict, second: dict) -> dict[str, str]:
+    """Mode -> deployment for the mode axis: two deployments of one checkpoint (and paging), one per mode."""
+    if first["mode"] == second["mode"]:
+        raise BenchError(
+            f"--mode-deployment {second['name']} serves {second['mode']}, as {first['name']} does: the mode axis "
+            "needs one deployment per mode"
+        )
+    differ = [k for k in MODE_SAME_FIELDS if first[k] != second[k]]
+    if differ:
+        shown = ", ".join(f"{k} {first[k]!r} vs {second[k]!r}" for k in differ)
+        raise BenchError(
+            f"{first['name']} and {second['name']} differ in more than their mode ({shown}): set "
+            f"{', '.join(differ)} alike (tessera deployments update) so the mode axis compares modes only"
+        )
+    return {first["mode"]: first["name"], second["mode"]: second["name"]}
 
 
 def prefill_report(outcomes: list[Outcome], duration: float) -> dict:
@@ -668,6 +715,8 @@ def pooled_run(run: Run, workload: dict, usd_per_hour: float) -> dict:
         prefill = prefill_report(outcomes, sum(m.prefill[1] for m in run.measured))
     per_repeat = [figures(m.report) for m in run.measured]
     return {
+        "deployment": run.deployment,
+        "mode": run.mode,
         "config": run.config,
         "workload": workload,
         "workers": first.report["workers"],
@@ -723,13 +772,18 @@ def _sigterm_interrupts() -> Iterator[None]:
 def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None = None,
                plot_path: Path | None = None) -> dict:  # fmt: skip
     """Every run in turn, the original config restored at the end; prints the report and returns it."""
-    if "mode" in spec.axes:
-        raise BenchError(MODE_UNSUPPORTED)
+    if "mode" in spec.axes and spec.mode_deployment is None:
+        raise BenchError(MODE_NEEDS_A_SECOND_DEPLOYMENT)
     matrix = Matrix(spec)
     with _sigterm_interrupts():
         try:
             original = matrix.admin.deployment(spec.deployment)
-            runs, of = plan(spec, original)
+            originals = {spec.deployment: original}
+            modes = None
+            if "mode" in spec.axes:
+                other = originals[spec.mode_deployment] = matrix.admin.deployment(spec.mode_deployment)
+                modes = mode_deployments(original, other)
+            runs, of = plan(spec, original, modes)
             total = len(runs) * sum(c * spec.requests_per_client for c in spec.concurrency) + sum(
                 spec.prefill_requests for r in runs if r.prefill_probe
             )
@@ -739,7 +793,7 @@ def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None =
                         for run in runs:
                             run.measured.append(matrix.measure(run, repeat, tick))
             finally:
-                matrix.restore(original)
+                matrix.restore(originals)
         finally:
             matrix.admin.close()
     for run in runs:
@@ -750,7 +804,14 @@ def run_matrix(spec: MatrixSpec, as_json: bool = False, json_path: Path | None =
         "url": spec.url,
         "deployment": spec.deployment,
         "original_config": {k: original[k] for k in CONFIG_FIELDS},
-        "restored_config": matrix.restored,
+        "restored_config": matrix.restored.get(spec.deployment),
+        "mode_deployment": None
+        if spec.mode_deployment is None
+        else {
+            "name": spec.mode_deployment,
+            "original_config": {k: originals[spec.mode_deployment][k] for k in CONFIG_FIELDS},
+            "restored_config": matrix.restored.get(spec.mode_deployment),
+        },
         "kv_budget_bytes": runs[0].config["kv_budget_bytes"],
         "dtype": runs[0].config["dtype"],
         "mode": original["mode"],
@@ -867,9 +928,17 @@ def tables(report: dict) -> list:
         f"({report['mode']}, dtype {report['dtype']}); worker ${report['worker_usd_per_hour']}/h; "
         f"{report['repeats']} repeat(s), configurations in turn per repeat"
         + (f"; figures: {report['interval']}" if report["repeats"] > 1 else "")
-        + f"; original config restored: {report['restored_config'] == report['original_config']}"
+        + f"; original config restored: {restored_all(report)}"
     )
     return out
+
+
+def restored_all(report: dict) -> bool:
+    """Whether every deployment the matrix changed is back on its original config."""
+    second = report["mode_deployment"]
+    return report["restored_config"] == report["original_config"] and (
+        second is None or second["restored_config"] == second["original_config"]
+    )
 
 
 def plot(report: dict, path: Path) -> None:

@@ -300,7 +300,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--axes",
         default="kv,weights,integrity,prefix",
         metavar="kv,weights,integrity,prefix",
-        help="what to vary, one axis at a time (default: all four; mode cannot change live, see the error)",
+        help="what to vary, one axis at a time (default: the first four; mode needs --mode-deployment)",
+    )
+    matrix.add_argument(
+        "--mode-deployment",
+        metavar="NAME",
+        help="for --axes ...,mode: a deployment of the same checkpoint in the other mode on this server, its "
+        "workers running (a live mode change is refused); it gets the same config and load as --model",
     )
     matrix.add_argument("--concurrency", type=parse_ids, default=[1, 8, 16, 32], metavar="1,8,16,32")
     matrix.add_argument(
@@ -628,6 +634,14 @@ def cmd_matrix(args: argparse.Namespace) -> None:
             f"--axes takes a comma-separated subset of {','.join(AXIS_NAMES)}; got {args.axes!r}", 2
         )
     require_positive(args, "concurrency")
+    if args.mode_deployment is not None and "mode" not in axes:
+        raise CliError(
+            "--mode-deployment is the mode axis' second deployment: add mode to --axes", exit_code=2
+        )
+    if args.mode_deployment is not None and args.mode_deployment == args.model:
+        raise CliError(
+            "--mode-deployment must be another deployment than --model (one per mode)", exit_code=2
+        )
     if args.shared_prefix_len is not None and args.shared_prefix_len >= args.input_len:
         raise CliError(f"--shared-prefix-len must be below --input-len ({args.input_len})", exit_code=2)
     if args.vocab <= 10:
@@ -652,5 +666,6 @@ def cmd_matrix(args: argparse.Namespace) -> None:
         seed=args.seed,
         reload_timeout_s=args.reload_timeout,
         repeats=args.repeats,
+        mode_deployment=args.mode_deployment,
     )
     run_matrix(spec, json_path=args.json, plot_path=args.plot)
