@@ -127,3 +127,23 @@ def test_bad_selections_are_refused_with_a_message(folders, tmp_path):
         quantize_checkpoint(dense, tmp_path / "c", "int4", only="routed-experts")
     with pytest.raises(ModelLoadError, match="loads with the selection it was written with"):
         load_model(folders / "int4", only="routed-experts")
+
+
+def test_the_command_says_attention_and_shared_experts_stayed_bf16(folders, tmp_path, capsys):
+    from tessera.cli import main
+
+    main(
+        [
+            "quantize",
+            str(folders / "src"),
+            str(tmp_path / "int4"),
+            "--weights",
+            "int4",
+            "--only",
+            "routed-experts",
+        ]
+    )
+    out = capsys.readouterr().out
+    kept = next(line for line in out.splitlines() if "tensors kept in bf16" in line)
+    assert "48 linear weights converted" in kept  # 2 MoE layers x 8 experts x gate/up/down
+    assert "attention, shared experts, dense MLPs" in kept

@@ -9,6 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# What stays bf16 under each --only selection (gpu_workers.quant.config.SELECTIONS).
+KEPT = {
+    "all": "embeddings, lm_head, norms, biases, MoE routers",
+    "routed-experts": "all but the routed experts: attention, shared experts, dense MLPs, embeddings, "
+    "lm_head, norms, biases, MoE routers",
+}
+
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     quant = subparsers.add_parser(
@@ -48,7 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     print(f"wrote {args.dst}: {_describe(args.weights, args.group_size, args.symmetric)}{only}")
     print(
         f"{report.converted_tensors} linear weights converted, {report.kept_tensors} tensors kept in bf16 "
-        "(embeddings, lm_head, norms, biases, MoE routers)"
+        f"({KEPT[args.only]})"
     )
     print(
         f"weights: {_mb(report.source_bytes)} ({report.source_dtype}) -> {_mb(report.output_bytes)} "
