@@ -192,6 +192,43 @@ def test_shared_prefix_with_the_same_affinity_reports_cached_tokens(client, offl
     assert cached == computed
 
 
+def long_system_prompt(tokenizer, tokens: int) -> str:
+    """A system message of about ``tokens`` tokens (a project's coding rules, as a long shared prompt is)."""
+    rules = [
+        "Write functions that do one thing and name them for what they return.",
+        "Every public function has a docstring that says what it returns and what it raises.",
+        "Prefer pathlib to os.path, f-strings to format(), and dataclasses to bare tuples.",
+        "Raise ValueError with a message that says what to fix; never return None for an error.",
+        "Keep modules under five hundred lines; split by responsibility, not by size.",
+    ]
+    lines: list[str] = []
+    while len(tokenizer.encode("\n".join(lines), add_special_tokens=False)) < tokens:
+        lines.append(f"Rule {len(lines) + 1}: {rules[len(lines) % len(rules)]}")
+    return "\n".join(lines)
+
+
+def test_a_long_shared_system_prompt_is_served_from_the_prefix_cache(client, offline):
+    """The prefix cache's reason to exist: a ~1,500-token system prompt shared by two chats of one tenant."""
+    system = {"role": "system", "content": long_system_prompt(offline.tokenizer, 1500)}
+    chats = [[system, {"role": "user", "content": head}] for head in ("def load(path):", "class Cache:")]
+    headers = {"x-session-affinity": "sdk-long-system-prompt"}
+    served = [
+        client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=chat, max_tokens=8, temperature=0, extra_headers=headers
+        )
+        for chat in chats
+    ]
+    prompt_tokens = [r.usage.prompt_tokens for r in served]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in served]
+    assert min(prompt_tokens) >= 1500, prompt_tokens
+    assert cached[0] == 0
+    assert cached[1] >= 1400, (cached, prompt_tokens)
+    # Only the shared part can hit: full pages of the system prompt, never the second chat's own code.
+    assert cached[1] <= prompt_tokens[1] - len(
+        offline.tokenizer.encode("class Cache:", add_special_tokens=False)
+    )
+
+
 # -- bad input: 4xx OpenAI errors, never 5xx -----------------------------------------------------------------
 
 
