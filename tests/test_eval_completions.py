@@ -95,3 +95,17 @@ def test_command_puts_models_side_by_side(demo_model_dir, tmp_path, capsys):
     assert f"| | {demo_model_dir} | {copy} |" in out
     assert "| parses (≥ 2 code lines) |" in out and "| repeated 4-grams |" in out
     assert "| 1. `def fibonacci(n):` |" in out and "| 20. `@dataclass class Item:` |" in out
+
+
+def test_the_repetition_guard_changes_looping_completions_and_bad_values_are_refused(demo_model_dir, capsys):
+    args = ["eval", "completions", "--model", str(demo_model_dir), "--max-tokens", "24", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["models"][str(demo_model_dir)]
+    assert main([*args, "--frequency-penalty", "2"]) == 0
+    guarded = json.loads(capsys.readouterr().out)
+    assert guarded["frequency_penalty"] == 2.0
+    guarded = guarded["models"][str(demo_model_dir)]
+    # The random demo model loops under plain greedy; a strong guard leaves fewer repeated 4-grams.
+    assert guarded["repeated_4gram_share"] < plain["repeated_4gram_share"]
+    assert main([*args, "--frequency-penalty", "3"]) != 0
+    assert "--frequency-penalty must be in [-2, 2]" in capsys.readouterr().err

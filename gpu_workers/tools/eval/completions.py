@@ -97,10 +97,16 @@ def repeated_ngrams(tokens: Sequence[int], n: int = NGRAM) -> tuple[int, int]:
     return len(grams) - len(set(grams)), len(grams)
 
 
-def complete_heads(model_dir: Path, heads: Sequence[str] = HEADS, max_tokens: int = MAX_TOKENS) -> list[dict]:
-    """Each head's greedy completion under the model at ``model_dir`` and its measurements."""
+def complete_heads(
+    model_dir: Path,
+    heads: Sequence[str] = HEADS,
+    max_tokens: int = MAX_TOKENS,
+    frequency_penalty: float = 0.0,
+) -> list[dict]:
+    """Each head's greedy completion under the model at ``model_dir`` and its measurements; with
+    ``frequency_penalty``, greedy after the serving API's repetition guard (argmax of the penalised logits)."""
     engine = Engine.from_pretrained(model_dir, EngineConfig(dtype="float32", prefix_cache=False))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, frequency_penalty=frequency_penalty)
     results = []
     for head, out in zip(heads, engine.generate(list(heads), params), strict=True):
         tokens = [t for t in out.token_ids if t not in engine.eos_token_ids]
@@ -136,12 +142,15 @@ def summarize_completions(completions: list[dict]) -> dict:
 
 
 def run_completions(
-    model_dirs: Sequence[Path], max_tokens: int = MAX_TOKENS, log: Callable[[str], None] = lambda _: None
+    model_dirs: Sequence[Path],
+    max_tokens: int = MAX_TOKENS,
+    log: Callable[[str], None] = lambda _: None,
+    frequency_penalty: float = 0.0,
 ) -> dict:
     """Every model's completions of ``HEADS`` and their summary, keyed by the model's path as given."""
     models = {}
     for model_dir in model_dirs:
-        completions = complete_heads(Path(model_dir), HEADS, max_tokens)
+        completions = complete_heads(Path(model_dir), HEADS, max_tokens, frequency_penalty)
         models[str(model_dir)] = {**summarize_completions(completions), "completions": completions}
         log(f"{model_dir}: {models[str(model_dir)]['parses']}/{len(HEADS)} parse")
-    return {"max_tokens": max_tokens, "models": models}
+    return {"max_tokens": max_tokens, "frequency_penalty": frequency_penalty, "models": models}

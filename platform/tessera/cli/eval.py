@@ -102,6 +102,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="tokens per completion (default 128)",
     )
+    comp.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="greedy after the API's repetition guard (OpenAI frequency_penalty, -2..2; default 0: plain greedy)",
+    )
     comp.add_argument("--json", action="store_true", help="print one JSON object with every completion")
     comp.set_defaults(func=cmd_eval_completions)
 
@@ -259,7 +266,14 @@ def head_label(head: str) -> str:
 def cmd_eval_completions(args: argparse.Namespace) -> int:
     from gpu_workers.tools.eval.completions import run_completions
 
-    results = run_completions(model_dirs(args), args.max_tokens, log=lambda m: print(m, file=sys.stderr))
+    if not -2.0 <= args.frequency_penalty <= 2.0:
+        raise CliError(f"--frequency-penalty must be in [-2, 2], got {args.frequency_penalty}")
+    results = run_completions(
+        model_dirs(args),
+        args.max_tokens,
+        log=lambda m: print(m, file=sys.stderr),
+        frequency_penalty=args.frequency_penalty,
+    )
     print(json.dumps(results, indent=2) if args.json else format_completions(results))
     return 0
 
@@ -286,7 +300,13 @@ def format_completions(results: dict) -> str:
             cells.append(f"{'✓' if c['parses'] else '✗'} {c['lines_parsed']} lines, rep {share:.2f}")
         lines.append(f"| {i + 1}. `{head_label(completion['head'])}` | " + " | ".join(cells) + " |")
     lines.append(
-        f"\n{len(models[names[0]]['completions'])} heads, greedy, up to {results['max_tokens']} tokens; "
+        f"\n{len(models[names[0]]['completions'])} heads, greedy"
+        + (
+            f" with frequency_penalty {results['frequency_penalty']}"
+            if results.get("frequency_penalty")
+            else ""
+        )
+        + f", up to {results['max_tokens']} tokens; "
         "lines = code lines after the head that still parse; rep = repeated 4-gram share of the completion"
     )
     return "\n".join(lines)
