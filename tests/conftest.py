@@ -40,3 +40,12 @@ def demo_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo-model")
     write_demo_checkpoint(path, seed=0)
     return path
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test: on a small shared machine, OpenMP threads stall each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

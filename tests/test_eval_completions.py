@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from tessera.cli import main
 
 from gpu_workers.tools.eval.completions import (
@@ -18,13 +17,7 @@ from gpu_workers.tools.eval.completions import (
     summarize_completions,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_heads_are_twenty_fixed_varied_prompts_that_end_before_the_newline():
