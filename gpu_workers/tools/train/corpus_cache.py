@@ -28,6 +28,11 @@ class TokenisedCorpus:
     train_stream: torch.Tensor
     heldout_stream: torch.Tensor
     python_version: str = sys.version.split()[0]
+    # Dependencies' sources in the training split (dicts of train.data.Source's fields), and their held-out
+    # files: kept out of training like the stdlib's, not in ``heldout_stream`` (which stays the stdlib's, the
+    # split every model here shares and is compared on).
+    sources: tuple[dict, ...] = ()
+    dependency_heldout_files: tuple[str, ...] = ()
 
 
 def save_corpus(corpus: TokenisedCorpus, path: Path) -> str:
@@ -45,6 +50,8 @@ def save_corpus(corpus: TokenisedCorpus, path: Path) -> str:
             "train_stream": corpus.train_stream.to(stored),
             "heldout_stream": corpus.heldout_stream.to(stored),
             "python_version": corpus.python_version,
+            "sources": list(corpus.sources),
+            "dependency_heldout_files": list(corpus.dependency_heldout_files),
         },
         path,
     )
@@ -67,6 +74,8 @@ def load_corpus(path: Path) -> TokenisedCorpus:
         train_stream=data["train_stream"].long(),
         heldout_stream=data["heldout_stream"].long(),
         python_version=data["python_version"],
+        sources=tuple(data.get("sources", ())),
+        dependency_heldout_files=tuple(data.get("dependency_heldout_files", ())),
     )
 
 

@@ -1,10 +1,13 @@
-"""The training corpus: the standard library's .py files, a fixed held-out split, and the BPE tokenizer."""
+"""The training corpus: the standard library's .py files (and, on request, the pure-Python sources of the
+project's permissively licensed dependencies), a fixed held-out split, and the BPE tokenizer."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import math
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,16 +26,54 @@ SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "pydoc_
 CODEC_TABLE_MARKER = "decoding_table = ("
 
 
+# The project's dependencies (direct and transitive) whose sources ``--with-dependencies`` adds: each is
+# permissively licensed (checked against its metadata when the corpus is built) and written mostly by hand.
+# Left out: copyleft or MPL ones (psycopg, hypothesis, certifi, tqdm), generated or table-like code (openai's
+# API types, idna's and wcwidth's Unicode tables, pygments' lexers), vendoring installers (pip, setuptools),
+# and the very large ones that would outweigh everything else (torch, transformers, sympy, numpy).
+DEPENDENCY_DISTRIBUTIONS: tuple[str, ...] = (
+    "alembic", "amqp", "annotated-types", "anyio", "attrs", "billiard", "cachetools", "celery", "click",
+    "click-didyoumean", "click-plugins", "click-repl", "fastapi", "filelock", "fsspec", "grimp", "h11",
+    "httpcore", "httpx", "import-linter", "iniconfig", "itsdangerous", "Jinja2", "jsonschema", "kombu",
+    "Mako", "markdown-it-py", "MarkupSafe", "mdurl", "networkx", "packaging", "pluggy", "prometheus_client",
+    "prompt_toolkit", "psutil", "pydantic", "pydantic-settings", "pyparsing", "pytest", "python-dateutil",
+    "python-dotenv", "python-multipart", "redis", "referencing", "rich", "six", "sniffio", "sortedcontainers",
+    "SQLAlchemy", "sse-starlette", "starlette", "triton", "typer", "typing-inspection", "typing_extensions",
+    "tzlocal", "uvicorn", "vine",
+)  # fmt: skip
+PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|ISC|PSF|Python Software Foundation)\b", re.IGNORECASE)
+SITE_PACKAGES = "site-packages"  # the prefix of a dependency's file names in a corpus
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dependency in the corpus: what it is, under which licence, and how many of its files are used."""
+
+    distribution: str
+    version: str
+    licence: str
+    files: int
+
+
 @dataclass(frozen=True)
 class Corpus:
-    """The stdlib files used, as sorted POSIX paths relative to ``root``, split into train and held-out."""
+    """The files used, as sorted POSIX names split into train and held-out; ``root`` holds the stdlib's,
+    ``site_root`` those named ``site-packages/...`` (a dependency's file, relative to its install root)."""
 
     root: Path
     train: list[str]
     heldout: list[str]
+    site_root: Path | None = None
+    sources: tuple[Source, ...] = ()
+
+    def path(self, name: str) -> Path:
+        head, _, rest = name.partition("/")
+        if head == SITE_PACKAGES and self.site_root is not None:
+            return self.site_root / rest
+        return self.root / name
 
     def texts(self, files: list[str]) -> list[str]:
-        return [(self.root / name).read_text(encoding="utf-8") for name in files]
+        return [self.path(name).read_text(encoding="utf-8") for name in files]
 
 
 def stdlib_root() -> Path:
@@ -62,6 +103,78 @@ def stdlib_corpus(root: Path | None = None, heldout_percent: int = 3) -> Corpus:
     files.sort()
     heldout = [f for f in files if is_heldout(f, heldout_percent)]
     return Corpus(root, [f for f in files if f not in set(heldout)], heldout)
+
+
+def with_dependencies(
+    corpus: Corpus, names: tuple[str, ...] | None = None, heldout_percent: int = 3
+) -> Corpus:
+    """``corpus`` plus the .py files of the installed distributions ``names`` (DEPENDENCY_DISTRIBUTIONS), by the same rules (test
+    directories skipped, the same hash rule on each file's ``site-packages/...`` name for the split).
+
+    A distribution that is not installed, has no Python files, or whose metadata names no permissive
+    licence is an error: the corpus is what its record says, or it is not built.
+    """
+    files: set[str] = set()
+    sources, site_root = [], None
+    for name in DEPENDENCY_DISTRIBUTIONS if names is None else names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ValueError(f"dependency {name!r} is not installed: install the project's extras") from None
+        licence = distribution_licence(dist)
+        if not PERMISSIVE.search(licence):
+            raise ValueError(f"dependency {name!r} is licensed {licence!r}, not a permissive licence")
+        root = Path(dist.locate_file("")).resolve()
+        site_root = site_root or root
+        if root != site_root:
+            raise ValueError(
+                f"dependency {name!r} is installed in {root}, not with the others in {site_root}"
+            )
+        used = []
+        for entry in dist.files or ():
+            parts = entry.parts
+            if entry.suffix != ".py" or parts[0].endswith((".dist-info", ".data")) or parts[0] == "..":
+                continue
+            if any(part in SKIPPED_DIRS for part in parts[:-1]):
+                continue
+            try:
+                text = (root / entry).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text.strip():
+                used.append(f"{SITE_PACKAGES}/{entry.as_posix()}")
+        if not used:
+            raise ValueError(f"dependency {name!r} has no Python source files to train on")
+        files.update(used)
+        sources.append(Source(dist.metadata["Name"], dist.version, licence, len(used)))
+    names_sorted = sorted(files)
+    heldout = [f for f in names_sorted if is_heldout(f, heldout_percent)]
+    held = set(heldout)
+    return Corpus(
+        corpus.root,
+        corpus.train + [f for f in names_sorted if f not in held],
+        corpus.heldout + heldout,
+        site_root,
+        tuple(sources),
+    )
+
+
+def distribution_licence(dist: importlib.metadata.Distribution) -> str:
+    """The licence a distribution declares: the first of its SPDX expression, a one-line License field and
+    its licence classifiers that names a permissive licence, else the first of them it has."""
+    meta = dist.metadata
+    field = (meta.get("License") or "").strip()
+    classifiers = [
+        c.split("::")[-1].strip() for c in meta.get_all("Classifier") or () if c.startswith("License")
+    ]
+    candidates = [
+        meta.get("License-Expression") or "",
+        field if "\n" not in field and len(field) < 80 else "",
+        " / ".join(classifiers),
+        field.split("\n", 1)[0],
+    ]
+    named = [c for c in candidates if c]
+    return next((c for c in named if PERMISSIVE.search(c)), named[0] if named else "")
 
 
 def is_heldout(relative_path: str, percent: int) -> bool:

@@ -12,6 +12,7 @@ Each evaluation that improves the held-out loss rewrites the checkpoint folder, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -25,12 +26,14 @@ from tokenizers import Tokenizer
 from gpu_workers.model import load_model
 from gpu_workers.tools.train.corpus_cache import TokenisedCorpus, file_sha256, load_corpus, save_corpus
 from gpu_workers.tools.train.data import (
+    SITE_PACKAGES,
     SKIPPED_DIRS,
     eval_windows,
     stdlib_corpus,
     token_stream,
     train_tokenizer,
     unigram_perplexity,
+    with_dependencies,
 )
 from gpu_workers.tools.train.model import build_model, hf_config, loss_fn, save_checkpoint
 from gpu_workers.tools.train.plot import plot_loss_curve
@@ -72,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         help="the tokenised corpus (file lists, tokenizer, token streams): read from FILE if it exists, else "
         "built from this Python's stdlib and written there; training.json records its sha256",
+    )
+    p.add_argument(
+        "--with-dependencies",
+        action="store_true",
+        help="train on the pure-Python sources of the project's permissively licensed dependencies too "
+        "(train.data.DEPENDENCY_DISTRIBUTIONS, as installed here; each one's licence is recorded)",
     )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
@@ -348,16 +357,24 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
                 "make the cache with the same --init-from"
             )
         return corpus, {"path": str(cache), "sha256": file_sha256(cache), "loaded": True}
-    stdlib = stdlib_corpus(heldout_percent=args.heldout_percent)
-    train_texts, heldout_texts = stdlib.texts(stdlib.train), stdlib.texts(stdlib.heldout)
+    files = stdlib_corpus(heldout_percent=args.heldout_percent)
+    if args.with_dependencies:
+        try:
+            files = with_dependencies(files, heldout_percent=args.heldout_percent)
+        except ValueError as exc:
+            raise SystemExit(f"--with-dependencies: {exc}") from None
+    scored = [f for f in files.heldout if not f.startswith(SITE_PACKAGES + "/")]
+    train_texts = files.texts(files.train)
     tokenizer = init_tokenizer or train_tokenizer(train_texts, args.vocab_size)
     corpus = TokenisedCorpus(
-        train_files=stdlib.train,
-        heldout_files=stdlib.heldout,
+        train_files=files.train,
+        heldout_files=scored,
         heldout_percent=args.heldout_percent,
         tokenizer=tokenizer,
         train_stream=token_stream(tokenizer, train_texts),
-        heldout_stream=token_stream(tokenizer, heldout_texts),
+        heldout_stream=token_stream(tokenizer, files.texts(scored)),
+        sources=tuple(dataclasses.asdict(source) for source in files.sources),
+        dependency_heldout_files=tuple(f for f in files.heldout if f not in set(scored)),
     )
     if cache is None:
         return corpus, None
@@ -399,8 +416,10 @@ def _write_report(
         "status": "complete" if final_loss is not None else f"in progress (step {steps_done})",
         "command": "python -m gpu_workers.tools.train.pycode " + " ".join(_cli_args(args)),
         "corpus": {
-            "source": "CPython standard library .py files (sysconfig.get_paths()['stdlib'])",
+            "source": "CPython standard library .py files (sysconfig.get_paths()['stdlib'])"
+            + (", and the dependencies' .py files below (site-packages/...)" if corpus.sources else ""),
             "python_version": corpus.python_version,
+            "dependencies": list(corpus.sources),
             "cache": cache_record,
             "skipped_dirs": sorted(SKIPPED_DIRS),
             "skipped_files": "generated charmap codec tables (files containing 'decoding_table = (')",
@@ -409,6 +428,7 @@ def _write_report(
             "train_tokens": len(corpus.train_stream),
             "heldout_target_tokens": sum(len(w[1]) for w in windows),
             "heldout_files": corpus.heldout_files,
+            "dependency_heldout_files": list(corpus.dependency_heldout_files),
         },
         "seed": args.seed,
         "initialised_from": _init_record(args.init_from),
