@@ -401,6 +401,49 @@ def test_a_damaged_kv_blob_fails_its_request_with_kv_handoff_corrupt(client, loc
     assert engine.stats()["kv_pages_used"] == 0
 
 
+def test_an_fp8_latent_with_its_rope_key_in_bf16_is_imported_not_recomputed(client, namespace, tmp_path):
+    """The rope-bf16 FP8 MLA entry stores more bytes than values: decode checks the values per entry."""
+    import torch
+
+    from gpu_workers import EngineConfig
+    from gpu_workers.model import load_model
+    from tests.hf_models import PAGE_SIZE, random_tokens, save_tiny
+
+    prompt = random_tokens(19, seed=7)  # within the tiny model's vocabulary
+    model = load_model(save_tiny("deepseek_v3", tmp_path / "mla").path)
+    model.kv_rope_bf16 = True
+    config = EngineConfig(
+        dtype="float32", kv_cache_dtype="fp8_e4m3", kv_budget_bytes=2**20, page_size=PAGE_SIZE
+    )
+    engine = Engine(model, None, config)
+    events: list[StreamEvent] = []
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add_request(prompt, params, export_kv="fp8_e4m3", on_event=events.append)
+    while engine.has_unfinished():
+        engine.step()
+    block = events[-1].kv
+    assert block.bf16_tail > 0 and block.k.shape[-1] == block.head_dim + block.bf16_tail
+    spec = model.kv_spec
+    decode = TaskRunner(
+        engine, client, make_celery(REDIS_URL), worker_id=f"{namespace}-mla", pool="decode", host="h"
+    )
+    header = KVHandoff(
+        request_id=f"{namespace}-mla-{uuid.uuid4().hex}",
+        kv_format="fp8_e4m3",
+        num_tokens=len(prompt),
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        first_token=events[-1].token_ids[0],
+        cached_tokens=0,
+        transport="redis",
+        location="",
+    )
+    taken = decode._take_kv(decode.handoff.put(header, block))
+    assert taken is not None, "the hand-off was refused: decode would recompute the prompt"
+    assert torch.equal(taken.k, block.k) and torch.equal(taken.k_scale, block.k_scale)
+
+
 def test_recovering_a_dead_worker_requeues_unstarted_requests_and_fails_cut_off_ones(
     client, local, namespace
 ):
