@@ -155,6 +155,18 @@ def read_back(cache: KVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Te
     return k, v
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0**-9, 3.7, torch.tensor([[0.013], [256.0]])])
+def test_the_cpu_fp8_decode_equals_torchs_cast_for_every_stored_bit_pattern(scale):
+    bits = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # every e4m3 value, subnormals and -0 included
+    stored = (bits != 0x7F) & (bits != 0xFF)  # NaN: the quantiser saturates, so no page holds it
+    want = bits.view(FP8_DTYPE).float() * scale
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_fp8(bits, scale, dtype)
+        assert got.dtype == dtype
+        assert torch.equal(got[stored], want.to(dtype)[stored])
+        assert torch.equal(got[stored].signbit(), want[stored].signbit())  # -0.0 stays negative
+
+
 def test_values_beyond_the_fp8_range_saturate_never_inf_or_nan():
     scales = KVScales.from_amax([0.5, 0.5], [0.25, 0.25], tokens=1)
     cache = KVCache(SPEC, num_pages=2, page_size=4, dtype=FP8_DTYPE, scales=scales)

@@ -47,7 +47,20 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 
 
 def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
-    return (bits.view(FP8_DTYPE).float() * scale).to(dtype)
+    if bits.device.type != "cpu":
+        return (bits.view(FP8_DTYPE).float() * scale).to(dtype)
+    # On the CPU torch's fp8 -> fp32 cast is a slow scalar loop (745 µs for 213k values, ~5x the integer
+    # ops below): place the e4m3 fields into float16's instead, which the CPU converts in hardware.
+    return (e4m3_bits_as_half(bits).float() * (scale * 256.0)).to(dtype)
+
+
+def e4m3_bits_as_half(bits: torch.Tensor) -> torch.Tensor:
+    """float16 values exactly 2^-8 times the e4m3 values whose uint8 ``bits`` are given (NaN excepted: the
+    quantiser never stores it). The sign moves to bit 15 and exponent+mantissa to bits 13..7: e4m3's
+    exponent bias 7 is fp16's 15 minus 8, and its subnormals land on fp16 subnormals of the same mantissa."""
+    wide = bits.to(torch.int16)
+    sign = torch.bitwise_and(wide, 0x80).bitwise_left_shift_(8)
+    return wide.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
 
 
 # An FP8 entry may keep its last ``tail`` values in bf16 (MLA's rope key, as the published FP8 MLA layouts
