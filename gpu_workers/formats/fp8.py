@@ -51,16 +51,16 @@ def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch
         return (bits.view(FP8_DTYPE).float() * scale).to(dtype)
     # On the CPU torch's fp8 -> fp32 cast is a slow scalar loop (745 µs for 213k values, ~5x the integer
     # ops below): place the e4m3 fields into float16's instead, which the CPU converts in hardware.
-    return (e4m3_bits_as_half(bits).float() * (scale * 256.0)).to(dtype)
+    return e4m3_bits_as_half(bits).float().mul_(scale * 256.0).to(dtype)
 
 
 def e4m3_bits_as_half(bits: torch.Tensor) -> torch.Tensor:
     """float16 values exactly 2^-8 times the e4m3 values whose uint8 ``bits`` are given (NaN excepted: the
-    quantiser never stores it). The sign moves to bit 15 and exponent+mantissa to bits 13..7: e4m3's
-    exponent bias 7 is fp16's 15 minus 8, and its subnormals land on fp16 subnormals of the same mantissa."""
-    wide = bits.to(torch.int16)
-    sign = torch.bitwise_and(wide, 0x80).bitwise_left_shift_(8)
-    return wide.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
+    quantiser never stores it). Exponent and mantissa move to bits 13..7 (e4m3's exponent bias 7 is fp16's
+    15 minus 8, and its subnormals land on fp16 subnormals of the same mantissa); the sign, shifted to bit
+    14 with them, moves on to bit 15 by adding it to itself (int16 wraps)."""
+    wide = bits.to(torch.int16).bitwise_left_shift_(7)
+    return wide.add_(torch.bitwise_and(wide, 0x4000)).view(torch.float16)
 
 
 # An FP8 entry may keep its last ``tail`` values in bf16 (MLA's rope key, as the published FP8 MLA layouts
