@@ -113,7 +113,7 @@ def paged_attention_reference(
         # The query heads sharing a KV head act as that head's query rows: GQA without repeating K/V.
         rows = q[group.rows].view(-1, kv_heads, heads // kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
-            rows, k, v, attn_mask=group.mask(page_size, sliding_window), scale=scale
+            rows, k, v, attn_mask=group.mask(page_size, sliding_window, q.dtype), scale=scale
         )
         out[group.rows] = o.reshape(-1, heads, head_dim)
     for row in meta.prefill:

@@ -48,16 +48,22 @@ class DecodeRows:
                 whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
         return whole
 
-    def mask(self, page_size: int, sliding_window: int | None) -> torch.Tensor:
-        """[B, 1, 1, P * page_size] bool: which gathered positions each row attends to; built once per step."""
-        mask = self._masks.get(sliding_window)
+    def mask(self, page_size: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, 1, P * page_size] additive mask in ``dtype`` (0 where a row attends, -inf where not) over
+        the gathered positions; built once per step. SDPA takes it as is, where a bool mask would be
+        converted on every call of every layer."""
+        key = (sliding_window, dtype)
+        mask = self._masks.get(key)
         if mask is None:
             positions = torch.arange(self.block_tables.shape[1] * page_size, device=self.seq_lens.device)
             lens = self.seq_lens[:, None]
-            mask = positions[None, :] < lens
+            valid = positions[None, :] < lens
             if sliding_window is not None:
-                mask &= positions[None, :] >= lens - sliding_window
-            mask = self._masks[sliding_window] = mask[:, None, None, :]
+                valid &= positions[None, :] >= lens - sliding_window
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(
+                ~valid, float("-inf")
+            )
+            mask = self._masks[key] = mask[:, None, None, :]
         return mask
 
 
