@@ -22,17 +22,30 @@ from typing import Generic, TypeVar
 from pydantic import ValidationError
 from redis import Redis
 from redis.exceptions import ResponseError
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
-REASON_BYTES = 1000  # a dead letter's reason is cut to this
+REASON_BYTES = 1000  # a dead letter's reason is cut to this (at a character boundary)
+# The database (or the link to it) is away: the batch waits and is retried, never dead-lettered.
+TRANSIENT = (OperationalError, InterfaceError, ConnectionError, TimeoutError)
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (id, fields); no fields: trimmed before it was read
 Dead = tuple[bytes, dict[bytes, bytes], str]  # (id, fields, why it cannot be written)
 T = TypeVar("T")
+
+
+def _refusal(exc: Exception) -> str:
+    if isinstance(exc, (IntegrityError, DataError)):
+        return f"the database refused it: {exc.orig}"
+    return f"it could not be written: {type(exc).__name__}: {exc}"
+
+
+def _cut(text: str, limit: int) -> bytes:
+    """``text`` as UTF-8 of at most ``limit`` bytes, never ending in part of a character."""
+    return text.encode()[:limit].decode("utf-8", "ignore").encode()
 
 
 def validation_problems(exc: ValidationError) -> str:
@@ -191,12 +204,24 @@ class GroupConsumer(Generic[T]):
         valid, dead = self._parse(entries)
         try:
             self.write([item for _, _, item in valid])
-        except (IntegrityError, DataError):
-            for entry_id, fields, item in valid:  # one refused row must not hold back the rest
+        except TRANSIENT:
+            raise
+        except Exception as batch_error:
+            # Row by row, so that one entry the database (or ``write``) refuses does not hold back the
+            # rest. When every row fails too, and not as a row the database refuses, the cause is not in
+            # the entries (a schema not migrated, a bug): the batch stays pending and is retried.
+            refused = []
+            for entry_id, fields, item in valid:
                 try:
                     self.write([item])
-                except (IntegrityError, DataError) as exc:
-                    dead.append((entry_id, fields, f"the database refused it: {exc.orig}"))
+                except TRANSIENT:
+                    raise
+                except Exception as exc:
+                    refused.append((entry_id, fields, _refusal(exc)))
+            systemic = not isinstance(batch_error, (IntegrityError, DataError))
+            if systemic and len(refused) == len(valid):
+                raise
+            dead += refused
         for entry_id, fields, reason in dead:
             log.error(
                 "%s: entry %s cannot be written (%s); moved to %s",
@@ -207,7 +232,7 @@ class GroupConsumer(Generic[T]):
             )
             self.redis.xadd(
                 self.dead_stream,
-                {**fields, b"entry_id": entry_id, b"reason": reason.encode()[:REASON_BYTES]},
+                {**fields, b"entry_id": entry_id, b"reason": _cut(reason, REASON_BYTES)},
                 maxlen=self.maxlen,
                 approximate=True,
             )
