@@ -162,6 +162,17 @@ def test_command_prints_both_tables_for_two_models(model_a, model_b, capsys):
     assert "1 held-out files" in out and "files longer than 2048 tokens: ast.py" in out
 
 
+def test_the_dependencies_split_is_their_held_out_files_by_the_same_rule(model_a):
+    from gpu_workers.tools.train.data import is_heldout
+
+    texts = heldout_texts([model_a], split="dependencies")
+    assert texts and all(name.startswith("site-packages/") for name in texts)
+    assert all(is_heldout(name, 3) for name in texts)  # the trainer's rule: none of them was trained on
+    assert set(texts).isdisjoint(heldout_texts([model_a]))
+    with pytest.raises(ValueError, match="split must be one of"):
+        heldout_texts([model_a], split="tests")
+
+
 @pytest.mark.parametrize("command", ["lm", "completions"])
 def test_unknown_model_dir_is_a_one_line_error(command, tmp_path, capsys):
     assert main(["eval", command, "--model", str(tmp_path / "missing")]) == 2

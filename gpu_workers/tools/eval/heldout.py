@@ -1,5 +1,7 @@
 """The held-out files every ``tessera eval`` scores: the standard-library files the training split
-(``train.data.stdlib_corpus``, a rule on the SHA-256 of each path) kept out of training."""
+(``train.data.stdlib_corpus``, a rule on the SHA-256 of each path) kept out of training; or, with
+``split="dependencies"``, the held-out files of the dependencies' sources the trainer can add
+(``train.data.with_dependencies``, the same rule), which no model here was trained on either."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpu_workers.tools.train.data import stdlib_corpus
+from gpu_workers.tools.train.data import SITE_PACKAGES, stdlib_corpus, with_dependencies
 
 DEFAULT_HELDOUT_PERCENT = 3
 
@@ -21,9 +23,16 @@ def heldout_percent(model_dir: Path) -> int:
     return int(hyper.get("heldout_percent", DEFAULT_HELDOUT_PERCENT))
 
 
-def heldout_texts(model_dirs: Sequence[Path], max_files: int | None = None) -> dict[str, str]:
-    """The held-out stdlib files of the models' split, by relative path; every model must share the split,
+SPLITS = ("stdlib", "dependencies")
+
+
+def heldout_texts(
+    model_dirs: Sequence[Path], max_files: int | None = None, split: str = "stdlib"
+) -> dict[str, str]:
+    """The held-out files of the models' split (``SPLITS``), by name; every model must share the split,
     or one of them would be scored on files it was trained on."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     percents = {Path(d): heldout_percent(d) for d in model_dirs}
     if len(set(percents.values())) > 1:
         shown = ", ".join(f"{d}: {p}%" for d, p in percents.items())
@@ -33,5 +42,9 @@ def heldout_texts(model_dirs: Sequence[Path], max_files: int | None = None) -> d
         )
     percent = next(iter(percents.values()), DEFAULT_HELDOUT_PERCENT)
     corpus = stdlib_corpus(heldout_percent=percent)
-    files = corpus.heldout[:max_files] if max_files else corpus.heldout
+    files = corpus.heldout
+    if split == "dependencies":
+        corpus = with_dependencies(corpus, heldout_percent=percent)
+        files = [f for f in corpus.heldout if f.startswith(SITE_PACKAGES + "/")]
+    files = files[:max_files] if max_files else files
     return dict(zip(files, corpus.texts(files), strict=True))

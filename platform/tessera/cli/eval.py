@@ -83,6 +83,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     lm.add_argument(
         "--max-files", type=parse_positive_int, metavar="N", help="only the first N held-out files"
     )
+    lm.add_argument(
+        "--split",
+        choices=("stdlib", "dependencies"),
+        default="stdlib",
+        help="the held-out standard-library files (default), or the held-out files of the dependencies' "
+        "sources `--with-dependencies` trains on (as installed here; no model saw them)",
+    )
     lm.add_argument("--json", action="store_true", help="print one JSON object")
     lm.set_defaults(func=cmd_eval_lm)
 
@@ -195,7 +202,7 @@ def cmd_eval_lm(args: argparse.Namespace) -> int:
     from gpu_workers.tools.eval.lm import run_lm
 
     dirs = model_dirs(args)
-    texts = heldout_texts(dirs, args.max_files)
+    texts = heldout_texts(dirs, args.max_files, args.split)
     results = run_lm(dirs, texts, args.context, log=lambda m: print(m, file=sys.stderr))
     print(json.dumps(results, indent=2) if args.json else format_lm(results))
     return 0
