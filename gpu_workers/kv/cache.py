@@ -179,6 +179,8 @@ class KVCache:
     ) -> None:
         """Set the dynamic scale of every page this write opens (writes slot 0 of)."""
         opens = slot_mapping % self.page_size == 0
+        if x.device.type == "cpu" and not bool(opens.any()):
+            return  # most decode steps open no page (on a GPU the check would cost a sync, not save work)
         token_amax = x.detach().abs().amax(dim=(1, 2)).float()
         if spans is None:
             token_seq = torch.zeros_like(slot_mapping)
