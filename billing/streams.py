@@ -22,15 +22,34 @@ from typing import Generic, TypeVar
 from pydantic import ValidationError
 from redis import Redis
 from redis.exceptions import ResponseError
-from sqlalchemy.exc import DataError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
 REASON_BYTES = 1000  # a dead letter's reason is cut to this (at a character boundary)
-# The database (or the link to it) is away: the batch waits and is retried, never dead-lettered.
-TRANSIENT = (OperationalError, InterfaceError, ConnectionError, TimeoutError)
+# SQLSTATE classes of a database that is away or busy: connection exception, transaction rollback
+# (serialization, deadlock), insufficient resources, operator intervention (shutdown).
+TRANSIENT_SQLSTATE = frozenset({"08", "40", "53", "57"})
+MAX_DELIVERIES = 20  # an entry no write stores this many times (~8 min of backoff) is moved aside
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database (or the link to it) is away, not that the rows are wrong: such a
+    batch waits and is retried, never dead-lettered."""
+    if isinstance(exc, PoolTimeout):
+        return True
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+        if code:
+            return str(code)[:2] in TRANSIENT_SQLSTATE
+        return isinstance(exc, (OperationalError, InterfaceError))  # SQLite: locked, disk I/O, no table yet
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
 
 Entry = tuple[bytes, dict[bytes, bytes] | None]  # (id, fields); no fields: trimmed before it was read
 Dead = tuple[bytes, dict[bytes, bytes], str]  # (id, fields, why it cannot be written)
@@ -77,6 +96,7 @@ class GroupConsumer(Generic[T]):
         claim_idle_s: float = 30.0,
         batch: int = 100,
         block_s: float = 1.0,
+        max_deliveries: int = MAX_DELIVERIES,
     ):
         self.redis = redis
         self.sessions = sessions
@@ -87,6 +107,7 @@ class GroupConsumer(Generic[T]):
         self.claim_idle_s = claim_idle_s
         self.batch = batch  # entries per read and per transaction
         self.block_s = block_s  # bounds how long ``stop`` waits
+        self.max_deliveries = max_deliveries
         # Unique per run: a restarted process is a new consumer, and claims what its old self left.
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._stop = threading.Event()
@@ -204,23 +225,27 @@ class GroupConsumer(Generic[T]):
         valid, dead = self._parse(entries)
         try:
             self.write([item for _, _, item in valid])
-        except TRANSIENT:
-            raise
         except Exception as batch_error:
+            if transient(batch_error):
+                raise
             # Row by row, so that one entry the database (or ``write``) refuses does not hold back the
-            # rest. When every row fails too, and not as a row the database refuses, the cause is not in
-            # the entries (a schema not migrated, a bug): the batch stays pending and is retried.
+            # rest. When every row fails too, and not as a row the database refuses, the cause may not be
+            # in the entries (a schema not migrated, a bug): the batch stays pending and is retried, until
+            # its entries have been delivered ``max_deliveries`` times.
             refused = []
             for entry_id, fields, item in valid:
                 try:
                     self.write([item])
-                except TRANSIENT:
-                    raise
                 except Exception as exc:
+                    if transient(exc):
+                        raise
                     refused.append((entry_id, fields, _refusal(exc)))
             systemic = not isinstance(batch_error, (IntegrityError, DataError))
             if systemic and len(refused) == len(valid):
-                raise
+                deliveries = self._deliveries([entry_id for entry_id, _, _ in refused])
+                if min(deliveries.values(), default=0) < self.max_deliveries:
+                    raise
+                refused = [(i, f, f"{why} (on each of {deliveries[i]} deliveries)") for i, f, why in refused]
             dead += refused
         for entry_id, fields, reason in dead:
             log.error(
@@ -239,6 +264,17 @@ class GroupConsumer(Generic[T]):
         done = [entry_id for entry_id, _ in entries if entry_id is not None]
         if done:
             self.redis.xack(self.stream, self.group, *done)
+
+    def _deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
+        """How many times each of ``entry_ids`` (pending in the group) has been delivered."""
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+        replies = pipe.execute()
+        return {
+            entry_id: (reply[0]["times_delivered"] if reply else 0)
+            for entry_id, reply in zip(entry_ids, replies, strict=True)
+        }
 
     def _parse(self, entries: list[Entry]) -> tuple[list[tuple[bytes, dict, T]], list[Dead]]:
         valid: list[tuple[bytes, dict, T]] = []

@@ -52,9 +52,9 @@ def streams(client):
     client.delete(name, f"{name}:dead")
 
 
-def consumer(client, streams, refuse=None) -> Recorder:
+def consumer(client, streams, refuse=None, **kw) -> Recorder:
     stream, dead = streams
-    return Recorder(client, None, stream, group="g", dead_stream=dead, maxlen=1000, refuse=refuse)
+    return Recorder(client, None, stream, group="g", dead_stream=dead, maxlen=1000, refuse=refuse, **kw)
 
 
 def publish(client, stream: str, payloads: list[str]) -> None:
@@ -87,15 +87,49 @@ def test_when_every_row_fails_the_batch_stays_pending_and_is_stored_once_the_cau
     assert client.xlen(dead) == 0 and client.xpending(stream, "g")["pending"] == 0
 
 
+def test_a_lone_entry_that_always_fails_is_moved_aside_after_its_last_delivery(client, streams):
+    stream, dead = streams
+    publish(client, stream, ["poison"])
+    reader = consumer(client, streams, refuse=lambda item: KeyError("no price"), max_deliveries=3)
+    for _ in range(2):  # alone in its batch it could be the database's fault: retried
+        with pytest.raises(KeyError):
+            reader.drain()
+        assert client.xlen(dead) == 0 and client.xpending(stream, "g")["pending"] == 1
+    reader.drain()  # the third delivery fails too: it goes aside, and the consumer reads on
+    ((_, fields),) = client.xrange(dead)
+    assert fields[b"outcome"] == b"poison" and b"3 deliveries" in fields[b"reason"]
+    assert client.xpending(stream, "g")["pending"] == 0
+    publish(client, stream, ["next"])
+    reader.refuse = lambda item: None
+    assert reader.drain() == 1 and reader.stored == ["next"]
+
+
 def test_a_transient_database_error_is_retried_not_dead_lettered(client, streams):
     stream, dead = streams
     publish(client, stream, ["a", "b"])
     away = OperationalError("INSERT", {}, ConnectionRefusedError("database is away"))
-    reader = consumer(client, streams, refuse=lambda item: away if item == "b" else None)
-    with pytest.raises(OperationalError):
-        reader.drain()
+    reader = consumer(client, streams, refuse=lambda item: away if item == "b" else None, max_deliveries=1)
+    for _ in range(3):  # however often: the database is away, the rows are not wrong
+        with pytest.raises(OperationalError):
+            reader.drain()
     assert reader.stored == [] and client.xlen(dead) == 0
     assert client.xpending(stream, "g")["pending"] == 2
+
+
+class SQLState(Exception):
+    def __init__(self, sqlstate: str):
+        super().__init__(f"SQLSTATE {sqlstate}")
+        self.sqlstate = sqlstate
+
+
+def test_transience_follows_the_sqlstate_class_not_the_exception_class():
+    from billing.streams import transient
+
+    assert transient(OperationalError("INSERT", {}, SQLState("08006")))  # connection failure
+    assert transient(OperationalError("INSERT", {}, SQLState("40P01")))  # deadlock detected
+    assert not transient(OperationalError("INSERT", {}, SQLState("54000")))  # program limit: the row
+    assert transient(OperationalError("INSERT", {}, Exception("database is locked")))  # SQLite: no code
+    assert not transient(KeyError("no price"))
 
 
 def test_a_dead_letters_reason_is_cut_at_a_character_boundary(client, streams):
