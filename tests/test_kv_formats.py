@@ -165,6 +165,8 @@ def test_the_cpu_fp8_decode_equals_torchs_cast_for_every_stored_bit_pattern(scal
         assert got.dtype == dtype
         assert torch.equal(got[stored], want.to(dtype)[stored])
         assert torch.equal(got[stored].signbit(), want[stored].signbit())  # -0.0 stays negative
+    typed = dequantize_fp8(bits.view(FP8_DTYPE), scale, torch.float32)  # bits typed as fp8 read the same
+    assert torch.equal(typed[stored], want[stored])
 
 
 def test_values_beyond_the_fp8_range_saturate_never_inf_or_nan():

@@ -79,6 +79,10 @@ def test_the_trainer_scores_the_stdlib_held_out_and_records_the_dependencies(sma
     assert loaded.dependency_heldout_files == built.dependency_heldout_files
     assert loaded.train_files == built.train_files
 
+    # A cache made with the dependencies is not silently reused without them (nor the reverse).
+    with pytest.raises(SystemExit, match="made with --with-dependencies"):
+        pycode.prepare_corpus(pycode.parse_args([*TINY, "--corpus-cache", str(cache)]))
+
     refused = pycode.parse_args([*TINY, "--with-dependencies"])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(data, "DEPENDENCY_DISTRIBUTIONS", ("psycopg",))

@@ -51,7 +51,10 @@ def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch
         return (bits.view(FP8_DTYPE).float() * scale).to(dtype)
     # On the CPU torch's fp8 -> fp32 cast is a slow scalar loop (745 µs for 213k values, ~5x the integer
     # ops below): place the e4m3 fields into float16's instead, which the CPU converts in hardware.
-    return e4m3_bits_as_half(bits).float().mul_(scale * 256.0).to(dtype)
+    factor = (
+        scale * 256.0 if isinstance(scale, (int, float)) else scale.float() * 256.0
+    )  # fp16 would overflow
+    return e4m3_bits_as_half(bits.view(torch.uint8)).float().mul_(factor).to(dtype)
 
 
 def e4m3_bits_as_half(bits: torch.Tensor) -> torch.Tensor:

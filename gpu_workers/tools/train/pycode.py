@@ -341,6 +341,11 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
             corpus = load_corpus(cache)
         except ValueError as exc:
             raise SystemExit(f"--corpus-cache: {exc}") from None
+        if bool(corpus.sources) != args.with_dependencies:
+            made = "with" if corpus.sources else "without"
+            raise SystemExit(
+                f"--corpus-cache {cache} was made {made} --with-dependencies: pass the same, or another cache file"
+            )
         if corpus.heldout_percent != args.heldout_percent:
             raise SystemExit(
                 f"--corpus-cache {cache} holds a {corpus.heldout_percent}% held-out split, not "
