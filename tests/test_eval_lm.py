@@ -168,7 +168,9 @@ def test_the_dependencies_split_is_their_held_out_files_by_the_same_rule(model_a
     texts = heldout_texts([model_a], split="dependencies")
     assert texts and all(name.startswith("site-packages/") for name in texts)
     assert all(is_heldout(name, 3) for name in texts)  # the trainer's rule: none of them was trained on
-    assert set(texts).isdisjoint(heldout_texts([model_a]))
+    stdlib = heldout_texts([model_a])
+    assert stdlib and not any(name.startswith("site-packages/") for name in stdlib)
+    assert "site-packages/click/globals.py" not in texts  # typer ships a copy of it: dropped as a near copy
     with pytest.raises(ValueError, match="split must be one of"):
         heldout_texts([model_a], split="tests")
 

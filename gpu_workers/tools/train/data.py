@@ -41,6 +41,12 @@ DEPENDENCY_DISTRIBUTIONS: tuple[str, ...] = (
     "SQLAlchemy", "sse-starlette", "starlette", "triton", "typer", "typing-inspection", "typing_extensions",
     "tzlocal", "uvicorn", "vine",
 )  # fmt: skip
+# Copies of other code inside a distribution: typer vendors click, alembic's templates repeat each other.
+# Left out, and any held-out file that still shares most of its lines with a file outside the held-out
+# split is dropped (``near_copies``), so no held-out file is predicted from its own copy.
+SKIPPED_DEPENDENCY_PATHS = ("typer/_click/", "alembic/templates/")
+VENDORED_DIRS = frozenset({"_vendor", "vendor", "_vendored", "vendored"})
+NEAR_COPY_SHARE = 0.5
 PERMISSIVE = re.compile(r"\b(MIT|BSD|Apache|ISC|PSF|Python Software Foundation)\b", re.IGNORECASE)
 SITE_PACKAGES = "site-packages"  # the prefix of a dependency's file names in a corpus
 
@@ -108,13 +114,16 @@ def stdlib_corpus(root: Path | None = None, heldout_percent: int = 3) -> Corpus:
 def with_dependencies(
     corpus: Corpus, names: tuple[str, ...] | None = None, heldout_percent: int = 3
 ) -> Corpus:
-    """``corpus`` plus the .py files of the installed distributions ``names`` (DEPENDENCY_DISTRIBUTIONS), by the same rules (test
-    directories skipped, the same hash rule on each file's ``site-packages/...`` name for the split).
+    """``corpus`` plus the .py files of the installed distributions ``names`` (DEPENDENCY_DISTRIBUTIONS), by
+    the same rules (test directories skipped, the same hash rule on each file's ``site-packages/...`` name
+    for the split), without vendored copies, and without held-out files that are near copies of another
+    file (``near_copies``).
 
     A distribution that is not installed, has no Python files, or whose metadata names no permissive
     licence is an error: the corpus is what its record says, or it is not built.
     """
     files: set[str] = set()
+    outside: list[str] = []  # texts of the skipped copies
     sources, site_root = [], None
     for name in DEPENDENCY_DISTRIBUTIONS if names is None else names:
         try:
@@ -135,14 +144,18 @@ def with_dependencies(
             parts = entry.parts
             if entry.suffix != ".py" or parts[0].endswith((".dist-info", ".data")) or parts[0] == "..":
                 continue
-            if any(part in SKIPPED_DIRS for part in parts[:-1]):
+            if any(part in SKIPPED_DIRS or part in VENDORED_DIRS for part in parts[:-1]):
                 continue
             try:
                 text = (root / entry).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            if text.strip():
-                used.append(f"{SITE_PACKAGES}/{entry.as_posix()}")
+            if not text.strip():
+                continue
+            if entry.as_posix().startswith(SKIPPED_DEPENDENCY_PATHS):
+                outside.append(text)  # not trained on, but a held-out file must not be a copy of it
+                continue
+            used.append(f"{SITE_PACKAGES}/{entry.as_posix()}")
         if not used:
             raise ValueError(f"dependency {name!r} has no Python source files to train on")
         files.update(used)
@@ -150,13 +163,39 @@ def with_dependencies(
     names_sorted = sorted(files)
     heldout = [f for f in names_sorted if is_heldout(f, heldout_percent)]
     held = set(heldout)
+    extended = Corpus(corpus.root, [], [], site_root)
+    train = [f for f in names_sorted if f not in held]
+    others = [*extended.texts(corpus.train), *extended.texts(train), *outside]
+    copies = near_copies(dict(zip(heldout, extended.texts(heldout), strict=True)), others)
     return Corpus(
         corpus.root,
-        corpus.train + [f for f in names_sorted if f not in held],
-        corpus.heldout + heldout,
+        corpus.train + train,
+        corpus.heldout + [f for f in heldout if f not in copies],
         site_root,
         tuple(sources),
     )
+
+
+def near_copies(heldout: dict[str, str], others: list[str], share: float = NEAR_COPY_SHARE) -> set[str]:
+    """The names in ``heldout`` that share at least ``share`` of their distinct lines (stripped, 12+
+    characters: not ``else:`` or ``return None``) with one of ``others``."""
+    lines = {name: _lines(text) for name, text in heldout.items()}
+    holders: dict[str, list[str]] = {}
+    for name, own in lines.items():
+        for line in own:
+            holders.setdefault(line, []).append(name)
+    found: set[str] = set()
+    for text in others:
+        shared: dict[str, int] = {}
+        for line in _lines(text) & holders.keys():
+            for name in holders[line]:
+                shared[name] = shared.get(name, 0) + 1
+        found.update(name for name, n in shared.items() if n >= share * len(lines[name]))
+    return found
+
+
+def _lines(text: str) -> set[str]:
+    return {line.strip() for line in text.splitlines() if len(line.strip()) >= 12}
 
 
 def distribution_licence(dist: importlib.metadata.Distribution) -> str:
