@@ -107,6 +107,7 @@ def up_redis(up):
 
 
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
+MAX_TOKENS = 1024  # the default deployment's max_tokens_limit: half the default model's 2,048-token context
 
 
 def test_chat_completion_equals_the_offline_engine(client, offline):
@@ -342,11 +343,12 @@ def test_model_without_live_workers_is_503_fast(client, up, spec):
 
 
 def test_client_disconnect_mid_stream_cancels_the_request_and_frees_its_pages(up, up_redis):
-    # Greedy on this prompt loops without an end-of-text token, so only the disconnect can stop it early.
+    # Greedy on this prompt loops without an end-of-text token, so only the disconnect can stop it early;
+    # the default deployment's largest max_tokens, so that a fast machine cannot finish before the cancel.
     body = {
         "model": DEFAULT_MODEL,
         "prompt": "def main():",
-        "max_tokens": 256,
+        "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "stream": True,
     }
@@ -372,7 +374,7 @@ def test_client_disconnect_mid_stream_cancels_the_request_and_frees_its_pages(up
         time.sleep(0.05)
     length = up_redis.xlen(stream_key(rid))
     time.sleep(0.5)
-    assert up_redis.xlen(stream_key(rid)) == length < 256  # the worker stopped generating
+    assert up_redis.xlen(stream_key(rid)) == length < MAX_TOKENS  # the worker stopped generating
 
     def decode_pages() -> int:
         infos = [WorkerInfo.from_json(v) for v in up_redis.hvals(workers_key(DEFAULT_MODEL, "decode"))]
