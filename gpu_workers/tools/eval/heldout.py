@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpu_workers.tools.train.data import SITE_PACKAGES, stdlib_corpus, with_dependencies
+from gpu_workers.tools.train.data import is_dependency_file, stdlib_corpus, with_dependencies
 
 DEFAULT_HELDOUT_PERCENT = 3
 
@@ -45,6 +45,6 @@ def heldout_texts(
     files = corpus.heldout
     if split == "dependencies":
         corpus = with_dependencies(corpus, heldout_percent=percent)
-        files = [f for f in corpus.heldout if f.startswith(SITE_PACKAGES + "/")]
+        files = [f for f in corpus.heldout if is_dependency_file(f)]
     files = files[:max_files] if max_files else files
     return dict(zip(files, corpus.texts(files), strict=True))

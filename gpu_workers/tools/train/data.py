@@ -73,13 +73,17 @@ class Corpus:
     sources: tuple[Source, ...] = ()
 
     def path(self, name: str) -> Path:
-        head, _, rest = name.partition("/")
-        if head == SITE_PACKAGES and self.site_root is not None:
-            return self.site_root / rest
+        if is_dependency_file(name) and self.site_root is not None:
+            return self.site_root / name.partition("/")[2]
         return self.root / name
 
     def texts(self, files: list[str]) -> list[str]:
         return [self.path(name).read_text(encoding="utf-8") for name in files]
+
+
+def is_dependency_file(name: str) -> bool:
+    """Whether a corpus file name is a dependency's (``site-packages/...``), not the stdlib's."""
+    return name.startswith(SITE_PACKAGES + "/")
 
 
 def stdlib_root() -> Path:
@@ -122,7 +126,7 @@ def with_dependencies(
     A distribution that is not installed, has no Python files, or whose metadata names no permissive
     licence is an error: the corpus is what its record says, or it is not built.
     """
-    files: set[str] = set()
+    texts: dict[str, str] = {}  # every dependency file used, by name: read once
     outside: list[str] = []  # texts of the skipped copies
     sources, site_root = [], None
     for name in DEPENDENCY_DISTRIBUTIONS if names is None else names:
@@ -139,7 +143,7 @@ def with_dependencies(
             raise ValueError(
                 f"dependency {name!r} is installed in {root}, not with the others in {site_root}"
             )
-        used = []
+        used = 0
         for entry in dist.files or ():
             parts = entry.parts
             if entry.suffix != ".py" or parts[0].endswith((".dist-info", ".data")) or parts[0] == "..":
@@ -155,18 +159,17 @@ def with_dependencies(
             if entry.as_posix().startswith(SKIPPED_DEPENDENCY_PATHS):
                 outside.append(text)  # not trained on, but a held-out file must not be a copy of it
                 continue
-            used.append(f"{SITE_PACKAGES}/{entry.as_posix()}")
+            texts[f"{SITE_PACKAGES}/{entry.as_posix()}"] = text
+            used += 1
         if not used:
             raise ValueError(f"dependency {name!r} has no Python source files to train on")
-        files.update(used)
-        sources.append(Source(dist.metadata["Name"], dist.version, licence, len(used)))
-    names_sorted = sorted(files)
+        sources.append(Source(dist.metadata["Name"], dist.version, licence, used))
+    names_sorted = sorted(texts)
     heldout = [f for f in names_sorted if is_heldout(f, heldout_percent)]
     held = set(heldout)
-    extended = Corpus(corpus.root, [], [], site_root)
     train = [f for f in names_sorted if f not in held]
-    others = [*extended.texts(corpus.train), *extended.texts(train), *outside]
-    copies = near_copies(dict(zip(heldout, extended.texts(heldout), strict=True)), others)
+    others = [*corpus.texts(corpus.train), *(texts[f] for f in train), *outside]
+    copies = near_copies({f: texts[f] for f in heldout}, others)
     return Corpus(
         corpus.root,
         corpus.train + train,

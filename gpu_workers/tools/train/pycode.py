@@ -26,9 +26,9 @@ from tokenizers import Tokenizer
 from gpu_workers.model import load_model
 from gpu_workers.tools.train.corpus_cache import TokenisedCorpus, file_sha256, load_corpus, save_corpus
 from gpu_workers.tools.train.data import (
-    SITE_PACKAGES,
     SKIPPED_DIRS,
     eval_windows,
+    is_dependency_file,
     stdlib_corpus,
     token_stream,
     train_tokenizer,
@@ -368,7 +368,7 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
             files = with_dependencies(files, heldout_percent=args.heldout_percent)
         except ValueError as exc:
             raise SystemExit(f"--with-dependencies: {exc}") from None
-    scored = [f for f in files.heldout if not f.startswith(SITE_PACKAGES + "/")]
+    scored = [f for f in files.heldout if not is_dependency_file(f)]
     train_texts = files.texts(files.train)
     tokenizer = init_tokenizer or train_tokenizer(train_texts, args.vocab_size)
     corpus = TokenisedCorpus(
@@ -379,7 +379,7 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
         train_stream=token_stream(tokenizer, train_texts),
         heldout_stream=token_stream(tokenizer, files.texts(scored)),
         sources=tuple(dataclasses.asdict(source) for source in files.sources),
-        dependency_heldout_files=tuple(f for f in files.heldout if f not in set(scored)),
+        dependency_heldout_files=tuple(filter(is_dependency_file, files.heldout)),
     )
     if cache is None:
         return corpus, None
