@@ -20,7 +20,7 @@ import redis
 from tessera.launcher import DEFAULT_MODEL
 from test_launcher import assert_all_stopped, read_line, start_up, stop_up
 
-from gpu_workers.protocol import WorkerInfo, workers_key
+from gpu_workers.protocol import HEARTBEAT_INTERVAL_S, WorkerInfo, workers_key
 
 RELOAD_TIMEOUT_S = 180.0
 
@@ -142,8 +142,13 @@ def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_reques
         load.wait_for(settled + 6)  # requests sent after every worker serves the new config
     failed = [o for o in load.outcomes if o != (200, "")]
     assert not failed, f"{len(failed)} of {len(load.outcomes)} requests failed: {failed[:3]}\n{up.output}"
-    # The new requests ran on the reloaded decode worker: it produced their tokens.
+    # The new requests ran on the reloaded decode worker: it produced their tokens. Its count reaches Redis
+    # with its next heartbeat, which on a fast machine can come after the requests have all finished.
+    deadline = time.monotonic() + 3 * HEARTBEAT_INTERVAL_S
     after = decode_generated(up)
+    while sum(after.values()) <= sum(before.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = decode_generated(up)
     assert after.keys() == before.keys() and sum(after.values()) > sum(before.values())
     # Each worker was replaced by a successor started first; each old one left, its requests finished.
     deadline = time.monotonic() + RELOAD_TIMEOUT_S
