@@ -33,6 +33,8 @@ class TokenisedCorpus:
     # split every model here shares and is compared on).
     sources: tuple[dict, ...] = ()
     dependency_heldout_files: tuple[str, ...] = ()
+    # Both streams were tokenised from the files with their docstrings cut (train.docstrings).
+    short_docstrings: bool = False
 
 
 def save_corpus(corpus: TokenisedCorpus, path: Path) -> str:
@@ -52,6 +54,7 @@ def save_corpus(corpus: TokenisedCorpus, path: Path) -> str:
             "python_version": corpus.python_version,
             "sources": list(corpus.sources),
             "dependency_heldout_files": list(corpus.dependency_heldout_files),
+            "short_docstrings": corpus.short_docstrings,
         },
         path,
     )
@@ -76,6 +79,7 @@ def load_corpus(path: Path) -> TokenisedCorpus:
         python_version=data["python_version"],
         sources=tuple(data.get("sources", ())),
         dependency_heldout_files=tuple(data.get("dependency_heldout_files", ())),
+        short_docstrings=bool(data.get("short_docstrings", False)),
     )
 
 

@@ -35,6 +35,7 @@ from gpu_workers.tools.train.data import (
     unigram_perplexity,
     with_dependencies,
 )
+from gpu_workers.tools.train.docstrings import short_docstrings
 from gpu_workers.tools.train.model import build_model, hf_config, loss_fn, save_checkpoint
 from gpu_workers.tools.train.plot import plot_loss_curve
 
@@ -81,6 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="train on the pure-Python sources of the project's permissively licensed dependencies too "
         "(train.data.DEPENDENCY_DISTRIBUTIONS, as installed here; each one's licence is recorded)",
+    )
+    p.add_argument(
+        "--short-docstrings",
+        action="store_true",
+        help="cut every docstring of more than one paragraph to its first (train.docstrings), in the training "
+        "and the held-out streams (`tessera eval lm` scores the files as they are)",
     )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
@@ -346,6 +353,11 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
             raise SystemExit(
                 f"--corpus-cache {cache} was made {made} --with-dependencies: pass the same, or another cache file"
             )
+        if corpus.short_docstrings != args.short_docstrings:
+            made = "with" if corpus.short_docstrings else "without"
+            raise SystemExit(
+                f"--corpus-cache {cache} was made {made} --short-docstrings: pass the same, or another cache file"
+            )
         if corpus.heldout_percent != args.heldout_percent:
             raise SystemExit(
                 f"--corpus-cache {cache} holds a {corpus.heldout_percent}% held-out split, not "
@@ -369,7 +381,8 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
         except ValueError as exc:
             raise SystemExit(f"--with-dependencies: {exc}") from None
     scored = [f for f in files.heldout if not is_dependency_file(f)]
-    train_texts = files.texts(files.train)
+    edit = short_docstrings if args.short_docstrings else (lambda text: text)
+    train_texts = [edit(text) for text in files.texts(files.train)]
     tokenizer = init_tokenizer or train_tokenizer(train_texts, args.vocab_size)
     corpus = TokenisedCorpus(
         train_files=files.train,
@@ -377,9 +390,10 @@ def prepare_corpus(args: argparse.Namespace) -> tuple[TokenisedCorpus, dict | No
         heldout_percent=args.heldout_percent,
         tokenizer=tokenizer,
         train_stream=token_stream(tokenizer, train_texts),
-        heldout_stream=token_stream(tokenizer, files.texts(scored)),
+        heldout_stream=token_stream(tokenizer, [edit(text) for text in files.texts(scored)]),
         sources=tuple(dataclasses.asdict(source) for source in files.sources),
         dependency_heldout_files=tuple(filter(is_dependency_file, files.heldout)),
+        short_docstrings=args.short_docstrings,
     )
     if cache is None:
         return corpus, None
@@ -434,6 +448,7 @@ def _write_report(
             "heldout_target_tokens": sum(len(w[1]) for w in windows),
             "heldout_files": corpus.heldout_files,
             "dependency_heldout_files": list(corpus.dependency_heldout_files),
+            "short_docstrings": corpus.short_docstrings,
         },
         "seed": args.seed,
         "initialised_from": _init_record(args.init_from),
