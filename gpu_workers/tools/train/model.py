@@ -108,12 +108,38 @@ def build_model(config: dict, seed: int) -> LlamaForCausalLM:
     return model
 
 
-def loss_fn(model: LlamaForCausalLM, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of [batch, seq_len] inputs against their targets."""
+def loss_fn(
+    model: LlamaForCausalLM, inputs: torch.Tensor, targets: torch.Tensor, unlikelihood: float = 0.0
+) -> torch.Tensor:
+    """Mean next-token cross-entropy of [batch, seq_len] inputs against their targets; with ``unlikelihood``
+    > 0, plus that weight times the token-level unlikelihood loss (``unlikelihood_loss``)."""
     batch, seq_len = inputs.shape
     positions = torch.arange(seq_len, device=inputs.device).repeat(batch)
     hidden = model(inputs.reshape(-1), positions, CausalAttention(batch, seq_len))
-    return F.cross_entropy(model.compute_logits(hidden), targets.reshape(-1))
+    logits = model.compute_logits(hidden)
+    if unlikelihood <= 0:
+        return F.cross_entropy(logits, targets.reshape(-1))
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # one softmax for both terms
+    loss = F.nll_loss(log_probs, targets.reshape(-1))
+    return loss + unlikelihood * unlikelihood_loss(log_probs.view(batch, seq_len, -1), inputs, targets)
+
+
+def unlikelihood_loss(log_probs: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al., 2019, "Neural Text Generation with Unlikelihood Training"):
+    at each position, ``-sum log(1 - p(c))`` over the candidates c, the tokens already in the window up to and
+    including the current input that are not the target; the mean over positions. It lowers the probability
+    of repeating what the context holds unless the data repeats it, which is what makes greedy decoding loop.
+
+    ``log_probs`` [batch, seq_len, vocab] (log-softmax of the logits); ``inputs``, ``targets`` [batch, seq_len]."""
+    batch, seq_len, vocab = log_probs.shape
+    # Where each vocabulary entry first appears in the window (seq_len if never): seen at t when first <= t.
+    first = torch.full((batch, vocab), seq_len, dtype=torch.long, device=inputs.device)
+    first.scatter_reduce_(1, inputs, torch.arange(seq_len, device=inputs.device).expand(batch, -1), "amin")
+    seen = first.unsqueeze(1) <= torch.arange(seq_len, device=inputs.device).view(1, -1, 1)
+    seen.scatter_(2, targets.unsqueeze(-1), False)
+    probs = log_probs.exp()
+    penalty = torch.where(seen, torch.log1p(-probs.clamp(max=1.0 - 1e-5)), 0.0)
+    return -penalty.sum() / targets.numel()
 
 
 def save_checkpoint(model: LlamaForCausalLM, config: dict, tokenizer: Tokenizer, out: Path) -> None:

@@ -89,6 +89,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cut every docstring of more than one paragraph to its first (train.docstrings), in the training "
         "and the held-out streams (`tessera eval lm` scores the files as they are)",
     )
+    p.add_argument(
+        "--unlikelihood",
+        type=float,
+        default=0.0,
+        metavar="ALPHA",
+        help="add ALPHA x the token-level unlikelihood loss (train.model.unlikelihood_loss) to training, "
+        "against greedy decoding's loops; held-out loss stays plain cross-entropy",
+    )
+    p.add_argument(
+        "--checkpoint",
+        choices=("best", "last"),
+        default="best",
+        help="write the output folder at every evaluation that lowers held-out loss (best), or at every "
+        "evaluation (last: for an objective besides held-out loss, such as --unlikelihood)",
+    )
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
@@ -229,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         history, train_seconds = state["history"], state["train_seconds"]
         args.decay_start, args.steps = history["decay_start"], history["steps"]
         _say(f"resumed at step {history['step']}")
+    if args.unlikelihood > 0:  # a resumed run may add it part way: the step it started at is on record
+        history.setdefault("unlikelihood_from_step", history["step"])
     num_params = sum(p.numel() for p in model.parameters())
     length = f"{args.steps} steps" if args.budget_minutes is None else f"{args.budget_minutes} min"
     _say(f"model: {num_params / 1e6:.2f}M parameters; {length} of {args.batch_size}x{args.context}")
@@ -260,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             inputs, targets = random_batch(train_stream, args.batch_size, args.context, gen)
         inputs, targets = inputs.to(device), targets.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = loss_fn(model, inputs, targets)
+            loss = loss_fn(model, inputs, targets, args.unlikelihood)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
@@ -418,11 +435,19 @@ def _evaluate(model, windows, args, history, config, tokenizer, log) -> None:
     improved = loss < history["best_loss"]
     if improved:
         history["best_loss"], history["best_step"] = loss, history["step"]
+    if improved or args.checkpoint == "last":
         save_checkpoint(model, config, tokenizer, args.out)
     entry = {"step": history["step"], "heldout_loss": round(loss, 4), "heldout_ppl": round(math.exp(loss), 3)}
     log.write(json.dumps(entry) + "\n")
     log.flush()
-    _say(json.dumps(entry) + (" (best: checkpoint written)" if improved else ""))
+    written = (
+        " (best: checkpoint written)"
+        if improved
+        else " (checkpoint written)"
+        if args.checkpoint == "last"
+        else ""
+    )
+    _say(json.dumps(entry) + written)
 
 
 def _write_report(
@@ -453,6 +478,7 @@ def _write_report(
         "seed": args.seed,
         "initialised_from": _init_record(args.init_from),
         "long_from_step": history["long_from_step"],
+        "unlikelihood_from_step": history.get("unlikelihood_from_step"),
         "decay_start": history["decay_start"],
         "hyperparameters": hyper,
         "parameters": num_params,
