@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from gpu_workers.tools.train import pycode
-from gpu_workers.tools.train.model import unlikelihood_loss
+from gpu_workers.tools.train.model import (
+    CausalAttention,
+    build_model,
+    greedy_continuations,
+    hf_config,
+    repeated_ngram_mask,
+    sequence_unlikelihood_loss,
+    unlikelihood_loss,
+)
 from tests.test_train_device import TINY_MODEL, small_stdlib  # noqa: F401  (the fixture)
 
 
@@ -66,3 +74,46 @@ def test_a_run_with_it_checkpoints_every_evaluation_and_records_it(small_stdlib,
     assert record["hyperparameters"]["unlikelihood"] == 1.0
     assert record["best_step"] == 1 and record["heldout_curve"][-1][0] == 4  # worse, and still written
     assert (out / "model.safetensors").read_bytes() != before
+
+
+def test_repeated_ngrams_are_flagged_from_their_second_occurrence_on():
+    tokens = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    mask = repeated_ngram_mask(tokens, 4)
+    assert mask[0].tolist() == [False] * 4 + [True] * 4 + [False]  # the second 1 2 3 4
+    assert not mask[1].any()
+    assert repeated_ngram_mask(torch.tensor([[7, 7, 7, 7, 7]]), 4)[0].tolist() == [
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+
+
+def test_a_sequence_step_makes_the_models_own_greedy_loop_less_likely():
+    config = hf_config(50, 32, 64, 1, 2, 1, 64, 10000.0)
+    model = build_model(config, seed=0)
+    prefixes = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    # A freshly initialised model's greedy continuations loop: most of their tokens are repeats.
+    rows = greedy_continuations(model, prefixes, 24)
+    assert rows.shape == (2, 28) and torch.equal(rows[:, :4], prefixes)
+    flagged = repeated_ngram_mask(rows[:, 4:], 4)
+
+    def repeat_logprob() -> float:
+        with torch.no_grad():
+            batch, seq_len = rows.shape
+            hidden = model(
+                rows[:, :-1].reshape(-1),
+                torch.arange(seq_len - 1).repeat(batch),
+                CausalAttention(batch, seq_len - 1),
+            )
+            lp = torch.log_softmax(model.compute_logits(hidden), -1).view(batch, seq_len - 1, -1)[:, 3:]
+            return lp.gather(2, rows[:, 4:].unsqueeze(-1)).squeeze(-1)[flagged].mean().item()
+
+    before = repeat_logprob()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss, share = sequence_unlikelihood_loss(model, prefixes, 24)
+    assert share == pytest.approx(flagged.float().mean().item()) and share > 0.5
+    loss.backward()
+    optimizer.step()
+    assert repeat_logprob() < before - 0.05

@@ -166,3 +166,55 @@ def save_checkpoint(model: LlamaForCausalLM, config: dict, tokenizer: Tokenizer,
         ("generation_config.json", generation),
     ):
         (out / name).write_text(json.dumps(data, indent=2) + "\n")
+
+
+@torch.no_grad()
+def greedy_continuations(model: LlamaForCausalLM, prefixes: torch.Tensor, length: int) -> torch.Tensor:
+    """[batch, prefix + length]: each prefix row and its greedy continuation of ``length`` tokens (the whole
+    sequence recomputed per token: no KV cache, so it runs on the training module as it is)."""
+    was_training = model.training
+    model.eval()
+    rows = prefixes
+    batch = rows.shape[0]
+    for _ in range(length):
+        seq_len = rows.shape[1]
+        positions = torch.arange(seq_len, device=rows.device).repeat(batch)
+        hidden = model(rows.reshape(-1), positions, CausalAttention(batch, seq_len))
+        last = hidden.view(batch, seq_len, -1)[:, -1]
+        rows = torch.cat([rows, model.compute_logits(last).argmax(-1, keepdim=True)], dim=1)
+    model.train(was_training)
+    return rows
+
+
+def repeated_ngram_mask(tokens: torch.Tensor, n: int = 4) -> torch.Tensor:
+    """[batch, length] bool: the tokens of each n-gram that already occurred earlier in the same row."""
+    mask = torch.zeros(tokens.shape, dtype=torch.bool)
+    for row, values in enumerate(tokens.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(values) - n + 1):
+            gram = tuple(values[i : i + n])
+            if gram in seen:
+                mask[row, i : i + n] = True
+            seen.add(gram)
+    return mask
+
+
+def sequence_unlikelihood_loss(
+    model: LlamaForCausalLM, prefixes: torch.Tensor, length: int, n: int = 4
+) -> tuple[torch.Tensor, float]:
+    """Sequence-level unlikelihood (Welleck et al., 2019): continue each prefix greedily, then lower the
+    probability of every continuation token that is part of a repeated n-gram: ``-log(1 - p(token))`` summed
+    over those tokens, divided by the continuation tokens. Also the share of tokens that were repeats."""
+    rows = greedy_continuations(model, prefixes, length)
+    batch, seq_len = rows.shape
+    start = prefixes.shape[1]
+    flagged = repeated_ngram_mask(rows[:, start:].cpu(), n).to(rows.device)
+    positions = torch.arange(seq_len - 1, device=rows.device).repeat(batch)
+    hidden = model(rows[:, :-1].reshape(-1), positions, CausalAttention(batch, seq_len - 1))
+    hidden = hidden.view(batch, seq_len - 1, -1)[
+        :, start - 1 :
+    ]  # the positions that predict the continuation
+    log_probs = torch.log_softmax(model.compute_logits(hidden.reshape(-1, hidden.shape[-1])).float(), dim=-1)
+    chosen = log_probs.gather(1, rows[:, start:].reshape(-1, 1)).view(batch, length)
+    penalty = torch.where(flagged, torch.log1p(-chosen.exp().clamp(max=1.0 - 1e-5)), 0.0)
+    return -penalty.sum() / flagged.numel(), flagged.float().mean().item()

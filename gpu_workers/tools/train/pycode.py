@@ -36,7 +36,13 @@ from gpu_workers.tools.train.data import (
     with_dependencies,
 )
 from gpu_workers.tools.train.docstrings import short_docstrings
-from gpu_workers.tools.train.model import build_model, hf_config, loss_fn, save_checkpoint
+from gpu_workers.tools.train.model import (
+    build_model,
+    hf_config,
+    loss_fn,
+    save_checkpoint,
+    sequence_unlikelihood_loss,
+)
 from gpu_workers.tools.train.plot import plot_loss_curve
 
 
@@ -97,6 +103,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="add ALPHA x the token-level unlikelihood loss (train.model.unlikelihood_loss) to training, "
         "against greedy decoding's loops; held-out loss stays plain cross-entropy",
     )
+    p.add_argument(
+        "--sequence-unlikelihood",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="make each step, with probability P, a sequence-level unlikelihood step instead "
+        "(train.model.sequence_unlikelihood_loss: greedy continuations of --batch-size random training "
+        "prefixes, their repeated 4-grams made less likely)",
+    )
+    p.add_argument("--su-prefix", type=int, default=64, help="prefix tokens of a sequence-unlikelihood step")
+    p.add_argument("--su-length", type=int, default=96, help="continuation tokens it generates and scores")
     p.add_argument(
         "--checkpoint",
         choices=("best", "last"),
@@ -246,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         _say(f"resumed at step {history['step']}")
     if args.unlikelihood > 0:  # a resumed run may add it part way: the step it started at is on record
         history.setdefault("unlikelihood_from_step", history["step"])
+    if args.sequence_unlikelihood > 0:
+        history.setdefault("sequence_unlikelihood_from_step", history["step"])
     num_params = sum(p.numel() for p in model.parameters())
     length = f"{args.steps} steps" if args.budget_minutes is None else f"{args.budget_minutes} min"
     _say(f"model: {num_params / 1e6:.2f}M parameters; {length} of {args.batch_size}x{args.context}")
@@ -276,8 +295,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             inputs, targets = random_batch(train_stream, args.batch_size, args.context, gen)
         inputs, targets = inputs.to(device), targets.to(device)
+        sequence_step = (
+            args.sequence_unlikelihood > 0 and torch.rand((), generator=gen) < args.sequence_unlikelihood
+        )
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            loss = loss_fn(model, inputs, targets, args.unlikelihood)
+            if sequence_step:  # the prefixes: the first tokens of this step's windows
+                loss, repeats = sequence_unlikelihood_loss(model, inputs[:, : args.su_prefix], args.su_length)
+                history["sequence_steps"] = history.get("sequence_steps", 0) + 1
+                history.setdefault("sequence_repeats", []).append((step + 1, round(repeats, 4)))
+            else:
+                loss = loss_fn(model, inputs, targets, args.unlikelihood)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
@@ -285,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's time is its GPU time: the budget and tokens/s count it
         train_seconds += time.time() - step_start
-        window_tokens += inputs.numel()
+        window_tokens += 0 if sequence_step else inputs.numel()
         history["step"] = step + 1
         recent.append(time.time() - step_start)
         if args.budget_minutes is not None and history["decay_start"] is None:
@@ -479,6 +506,9 @@ def _write_report(
         "initialised_from": _init_record(args.init_from),
         "long_from_step": history["long_from_step"],
         "unlikelihood_from_step": history.get("unlikelihood_from_step"),
+        "sequence_unlikelihood_from_step": history.get("sequence_unlikelihood_from_step"),
+        "sequence_unlikelihood_steps": history.get("sequence_steps", 0),
+        "sequence_repeat_share": history.get("sequence_repeats", []),
         "decay_start": history["decay_start"],
         "hyperparameters": hyper,
         "parameters": num_params,
