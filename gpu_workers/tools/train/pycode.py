@@ -108,10 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         metavar="P",
-        help="make each step, with probability P, a sequence-level unlikelihood step instead "
-        "(train.model.sequence_unlikelihood_loss: greedy continuations of --batch-size random training "
-        "prefixes, their repeated 4-grams made less likely)",
+        help="add to each step, with probability P, --su-weight x the sequence-level unlikelihood loss "
+        "(train.model.sequence_unlikelihood_loss: greedy continuations of the step's window prefixes, their "
+        "repeated 4-grams made less likely)",
     )
+    p.add_argument("--su-weight", type=float, default=1.0, help="weight of the sequence-level term")
     p.add_argument("--su-prefix", type=int, default=64, help="prefix tokens of a sequence-unlikelihood step")
     p.add_argument("--su-length", type=int, default=96, help="continuation tokens it generates and scores")
     p.add_argument(
@@ -299,12 +300,14 @@ def main(argv: list[str] | None = None) -> None:
             args.sequence_unlikelihood > 0 and torch.rand((), generator=gen) < args.sequence_unlikelihood
         )
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss = loss_fn(model, inputs, targets, args.unlikelihood)
             if sequence_step:  # the prefixes: the first tokens of this step's windows
-                loss, repeats = sequence_unlikelihood_loss(model, inputs[:, : args.su_prefix], args.su_length)
+                extra, repeats = sequence_unlikelihood_loss(
+                    model, inputs[:, : args.su_prefix], args.su_length
+                )
+                loss = loss + args.su_weight * extra
                 history["sequence_steps"] = history.get("sequence_steps", 0) + 1
                 history.setdefault("sequence_repeats", []).append((step + 1, round(repeats, 4)))
-            else:
-                loss = loss_fn(model, inputs, targets, args.unlikelihood)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step's time is its GPU time: the budget and tokens/s count it
         train_seconds += time.time() - step_start
-        window_tokens += 0 if sequence_step else inputs.numel()
+        window_tokens += inputs.numel()
         history["step"] = step + 1
         recent.append(time.time() - step_start)
         if args.budget_minutes is not None and history["decay_start"] is None:
