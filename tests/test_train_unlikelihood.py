@@ -117,3 +117,15 @@ def test_a_sequence_step_makes_the_models_own_greedy_loop_less_likely():
     loss.backward()
     optimizer.step()
     assert repeat_logprob() < before - 0.05
+
+
+def test_a_run_in_phases_pauses_with_its_state_and_resumes_where_it_stopped(small_stdlib, tmp_path):  # noqa: F811
+    out, work = tmp_path / "model", tmp_path / "work"
+    common = [*TINY_MODEL, "--warmup-steps", "1", "--out", str(out), "--work-dir", str(work), "--steps", "4"]
+    pycode.main([*common, "--eval-every", "2", "--pause-at-step", "2"])
+    assert json.loads((out / "training.json").read_text())["status"] == "in progress (step 2)"
+    pycode.main([*common, "--eval-every", "2", "--resume", "--unlikelihood", "0.5"])
+    record = json.loads((out / "training.json").read_text())
+    assert record["status"] == "complete" and record["steps_done"] == 4
+    assert record["unlikelihood_from_step"] == 2
+    assert [step for step, _ in record["heldout_curve"]] == [2, 4]

@@ -126,6 +126,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time")
     p.add_argument(
+        "--pause-at-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after step N, leaving --work-dir's state for --resume (with other flags, for a run in "
+        "phases); N a multiple of --eval-every, where the state is written",
+    )
+    p.add_argument(
         "--init-from",
         type=Path,
         default=None,
@@ -280,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     recent: list[float] = []
     step = history["step"]
     while step < args.steps:
+        if args.pause_at_step is not None and step >= args.pause_at_step:
+            _say(f"pausing at step {step} (--pause-at-step): resume with --resume")
+            log.close()
+            return
         if args.max_minutes is not None and train_seconds > args.max_minutes * 60:
             _say(f"stopping at step {step}: --max-minutes {args.max_minutes} reached")
             break
