@@ -4,16 +4,14 @@ around it is untouched, and a corpus cache records which text it was tokenised f
 from __future__ import annotations
 
 import ast
-import shutil
-import sysconfig
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from gpu_workers.tools.train import data, pycode
 from gpu_workers.tools.train.docstrings import short_docstrings
+from tests.test_train_device import small_stdlib  # noqa: F401  (the fixture)
 
 SOURCE = textwrap.dedent(
     '''\
@@ -105,21 +103,10 @@ def test_text_that_does_not_parse_or_has_nothing_to_cut_is_returned_as_is():
     assert short_docstrings(concatenated) == concatenated
 
 
-@pytest.fixture
-def small_stdlib(tmp_path, monkeypatch) -> Path:
-    root = tmp_path / "stdlib"
-    root.mkdir()
-    real = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("abc.py", "bisect.py", "colorsys.py", "fnmatch.py", "glob.py", "heapq.py", "queue.py"):
-        shutil.copy(real / name, root / name)
-    monkeypatch.setattr(data, "stdlib_root", lambda: root)
-    return root
-
-
 TINY = ["--vocab-size", "300", "--heldout-percent", "50"]
 
 
-def test_the_corpus_is_tokenised_from_the_cut_text_and_its_cache_says_so(small_stdlib, tmp_path):
+def test_the_corpus_is_tokenised_from_the_cut_text_and_its_cache_says_so(small_stdlib, tmp_path):  # noqa: F811
     full, _ = pycode.prepare_corpus(pycode.parse_args(TINY))
     cache = tmp_path / "short.pt"
     short, _ = pycode.prepare_corpus(

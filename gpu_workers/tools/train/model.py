@@ -114,9 +114,7 @@ def loss_fn(
     """Mean next-token cross-entropy of [batch, seq_len] inputs against their targets; with ``unlikelihood``
     > 0, plus that weight times the token-level unlikelihood loss (``unlikelihood_loss``)."""
     batch, seq_len = inputs.shape
-    positions = torch.arange(seq_len, device=inputs.device).repeat(batch)
-    hidden = model(inputs.reshape(-1), positions, CausalAttention(batch, seq_len))
-    logits = model.compute_logits(hidden)
+    logits = model.compute_logits(_hidden(model, inputs).reshape(batch * seq_len, -1))
     if unlikelihood <= 0:
         return F.cross_entropy(logits, targets.reshape(-1))
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # one softmax for both terms
@@ -137,9 +135,19 @@ def unlikelihood_loss(log_probs: torch.Tensor, inputs: torch.Tensor, targets: to
     first.scatter_reduce_(1, inputs, torch.arange(seq_len, device=inputs.device).expand(batch, -1), "amin")
     seen = first.unsqueeze(1) <= torch.arange(seq_len, device=inputs.device).view(1, -1, 1)
     seen.scatter_(2, targets.unsqueeze(-1), False)
-    probs = log_probs.exp()
-    penalty = torch.where(seen, torch.log1p(-probs.clamp(max=1.0 - 1e-5)), 0.0)
-    return -penalty.sum() / targets.numel()
+    return -torch.where(seen, _log_one_minus(log_probs.exp()), 0.0).sum() / targets.numel()
+
+
+def _hidden(model: LlamaForCausalLM, rows: torch.Tensor) -> torch.Tensor:
+    """[batch, seq_len, hidden]: the model's causal forward pass over each [batch, seq_len] row from position 0."""
+    batch, seq_len = rows.shape
+    positions = torch.arange(seq_len, device=rows.device).repeat(batch)
+    return model(rows.reshape(-1), positions, CausalAttention(batch, seq_len)).view(batch, seq_len, -1)
+
+
+def _log_one_minus(probs: torch.Tensor) -> torch.Tensor:
+    """log(1 - p), kept finite where p rounds to 1."""
+    return torch.log1p(-probs.clamp(max=1.0 - 1e-5))
 
 
 def save_checkpoint(model: LlamaForCausalLM, config: dict, tokenizer: Tokenizer, out: Path) -> None:
@@ -175,12 +183,8 @@ def greedy_continuations(model: LlamaForCausalLM, prefixes: torch.Tensor, length
     was_training = model.training
     model.eval()
     rows = prefixes
-    batch = rows.shape[0]
     for _ in range(length):
-        seq_len = rows.shape[1]
-        positions = torch.arange(seq_len, device=rows.device).repeat(batch)
-        hidden = model(rows.reshape(-1), positions, CausalAttention(batch, seq_len))
-        last = hidden.view(batch, seq_len, -1)[:, -1]
+        last = _hidden(model, rows)[:, -1]
         rows = torch.cat([rows, model.compute_logits(last).argmax(-1, keepdim=True)], dim=1)
     model.train(was_training)
     return rows
@@ -206,15 +210,12 @@ def sequence_unlikelihood_loss(
     probability of every continuation token that is part of a repeated n-gram: ``-log(1 - p(token))`` summed
     over those tokens, divided by the continuation tokens. Also the share of tokens that were repeats."""
     rows = greedy_continuations(model, prefixes, length)
-    batch, seq_len = rows.shape
     start = prefixes.shape[1]
-    flagged = repeated_ngram_mask(rows[:, start:].cpu(), n).to(rows.device)
-    positions = torch.arange(seq_len - 1, device=rows.device).repeat(batch)
-    hidden = model(rows[:, :-1].reshape(-1), positions, CausalAttention(batch, seq_len - 1))
-    hidden = hidden.view(batch, seq_len - 1, -1)[
-        :, start - 1 :
-    ]  # the positions that predict the continuation
+    continuation = rows[:, start:]
+    flagged = repeated_ngram_mask(continuation.cpu(), n).to(rows.device)
+    # The positions that predict the continuation: from the prefix's last token to the one before the end.
+    hidden = _hidden(model, rows[:, :-1])[:, start - 1 :]
     log_probs = torch.log_softmax(model.compute_logits(hidden.reshape(-1, hidden.shape[-1])).float(), dim=-1)
-    chosen = log_probs.gather(1, rows[:, start:].reshape(-1, 1)).view(batch, length)
-    penalty = torch.where(flagged, torch.log1p(-chosen.exp().clamp(max=1.0 - 1e-5)), 0.0)
+    chosen = log_probs.gather(1, continuation.reshape(-1, 1)).view(continuation.shape)
+    penalty = torch.where(flagged, _log_one_minus(chosen.exp()), 0.0)
     return -penalty.sum() / flagged.numel(), flagged.float().mean().item()
