@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -148,8 +150,9 @@ class Supervisor:
 
     def spawn(self, name: str, command: list[str], env: dict[str, str] | None, log_path: Path) -> Child:
         child = Child(name, command, env, log_path)
-        child.start()
-        self.children.append(child)
+        with signals_deferred():
+            child.start()
+            self.children.append(child)
         self.out.write(f"started the {name} (pid {child.process.pid}, log {log_path})\n")
         self.out.flush()
         return child
@@ -157,10 +160,11 @@ class Supervisor:
     def replace(self, child: Child) -> Child:
         """Start a successor of ``child`` (its command, env and log) now; ``child`` keeps running until it
         exits on its own (a worker drains once its successor is live) and is then not restarted."""
-        child.retiring = True
         successor = Child(child.name, child.command, child.env, child.log_path, predecessor=child)
-        successor.start()
-        self.children.append(successor)
+        with signals_deferred():
+            child.retiring = True
+            successor.start()
+            self.children.append(successor)
         self._say(
             f"started the {child.name} (pid {successor.process.pid}) to take over from pid "
             f"{child.process.pid}, which serves an old config and leaves once its successor is live"
@@ -169,6 +173,10 @@ class Supervisor:
 
     def tend(self) -> None:
         """Notice exits and restart what is due; raises GaveUp when a child keeps failing at start."""
+        with signals_deferred():
+            self._tend()
+
+    def _tend(self) -> None:
         now = time.monotonic()
         for child in list(self.children):
             if child.retiring:
@@ -245,6 +253,36 @@ def describe_exit(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+@contextlib.contextmanager
+def signals_deferred(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, then act on the first that came.
+
+    ``tessera up``'s handlers raise, and an exception between a child's fork and its being recorded in
+    ``children`` (inside ``Popen``, while the child execs) would leave that child running untracked:
+    ``stop()`` would never signal it. Handlers can only be set from the main thread; elsewhere this is a no-op.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, object]] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: caught.append((signum, frame))) for sig in signals
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(sig, handler)
+        if caught:
+            signum, frame = caught[0]
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 # -- the platform --------------------------------------------------------------------------------------
