@@ -63,6 +63,17 @@ def test_many_decode_rows_grouped_by_length_attend_as_the_decode_reference(windo
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_decode_rows_split_only_where_their_widths_in_pages_differ():
+    # 32 rows within one page's worth of length: one width, nothing to save by splitting, one call.
+    same = [33 + i % PAGE for i in range(32)]
+    assert AttentionMetadata.build(scattered_tables(same)[0], same, [1] * 32, PAGE).decode.groups == []
+    # Two widths: quarters of equal width are merged, so the groups are exactly the two widths.
+    two = [8] * 24 + [40] * 8
+    meta = AttentionMetadata.build(scattered_tables(two)[0], two, [1] * 32, PAGE)
+    assert [g.block_tables.shape for g in meta.decode.groups] == [(24, 2), (8, 10)]
+    assert sorted(r for g in meta.decode.groups for r in g.rows.tolist()) == list(range(32))
+
+
 def test_a_prefill_chunk_after_cached_pages_attends_causally_over_the_whole_context():
     context, query = [13], [5]
     tables, pages = scattered_tables(context)

@@ -41,11 +41,19 @@ class DecodeRows:
         if num_groups > 1:
             order = sorted(range(len(lens)), key=lens.__getitem__)
             size = -(-len(order) // num_groups)
+            # Groups as wide (in pages) as the next pad no less apart than together: they stay one call.
+            split: list[list[int]] = []
             for start in range(0, len(order), size):
                 members = order[start : start + size]
-                index = torch.tensor(members, dtype=torch.long, device=rows.device)
-                width = -(-lens[members[-1]] // page_size)
-                whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
+                if split and -(-lens[split[-1][-1]] // page_size) == -(-lens[members[-1]] // page_size):
+                    split[-1] += members
+                else:
+                    split.append(members)
+            if len(split) > 1:
+                for members in split:
+                    index = torch.tensor(members, dtype=torch.long, device=rows.device)
+                    width = -(-lens[members[-1]] // page_size)
+                    whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
         return whole
 
     def mask(self, page_size: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
