@@ -8,6 +8,8 @@ again and multiplies by the scale.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -50,10 +52,41 @@ def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch
     if bits.device.type != "cpu":
         return (bits.view(FP8_DTYPE).float() * scale).to(dtype)
     # On the CPU torch's fp8 -> fp32 cast is a slow scalar loop (745 µs for 213k values, ~5x the integer
-    # ops below): place the e4m3 fields into float16's instead, which the CPU converts in hardware. The
-    # 2^8 that float16 holds them below their value is put back with the scale, in fp32 (fp16 overflows).
-    factor = scale * 256.0 if isinstance(scale, (int, float)) else scale.float() * 256.0
-    return e4m3_bits_as_half(bits.view(torch.uint8)).float().mul_(factor).to(dtype)
+    # ops below): place the e4m3 fields into a 16-bit float's instead, which the CPU widens in hardware,
+    # and put back with the scale, in fp32, the power of two they sit below their value.
+    bits = bits.view(torch.uint8)
+    if dtype != torch.bfloat16:
+        # bfloat16's fields take one integer op fewer; its result, 2^120 below, would overflow the factor
+        # of a scale of 2^8 or more. Not for a bf16 result: fp32 math into a bf16 tensor is a slow loop.
+        factor = _times(scale, BF16_FIELDS_OFFSET)
+        if _finite(factor):
+            return e4m3_bits_as_bf16(bits).float().mul_(factor).to(dtype)
+    return e4m3_bits_as_half(bits).float().mul_(_times(scale, 256.0)).to(dtype)
+
+
+def _times(scale: torch.Tensor | float, offset: float) -> torch.Tensor | float:
+    return scale * offset if isinstance(scale, (int, float)) else scale.float() * offset
+
+
+BF16_FIELDS_OFFSET = 2.0**120  # e4m3's exponent bias 7 is bfloat16's 127 minus 120
+
+
+def _finite(factor: torch.Tensor | float) -> bool:
+    if isinstance(factor, float):
+        return math.isfinite(factor)
+    return factor.numel() == 0 or bool(torch.isfinite(factor.amax()))
+
+
+def e4m3_bits_as_bf16(bits: torch.Tensor) -> torch.Tensor:
+    """bfloat16 values exactly 2^-120 times the e4m3 values whose uint8 ``bits`` are given (NaN excepted:
+    the quantiser never stores it). Exponent and mantissa move to bits 10..4, the lowest of bfloat16's
+    exponent and the top of its mantissa (e4m3 subnormals land on bfloat16 subnormals of the same mantissa);
+    the sign, sign-extended from int8, fills bits 15..11, and the mask clears 14..11 to leave it at bit 15."""
+    wide = bits.view(torch.int8).to(torch.int16).bitwise_left_shift_(4)
+    return wide.bitwise_and_(_BF16_FIELDS_MASK).view(torch.bfloat16)
+
+
+_BF16_FIELDS_MASK = 0x87FF - 0x10000  # sign bit and bits 10..0, as an int16
 
 
 def e4m3_bits_as_half(bits: torch.Tensor) -> torch.Tensor:
