@@ -31,6 +31,7 @@ from gpu_workers.engine.runner import ModelRunner
 from gpu_workers.engine.sampling import position_seed, sample
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Sequence, Status
+from gpu_workers.kernels.packed_linear import PackedLinear, pack_linears
 from gpu_workers.kv import KVCache, transfer
 from gpu_workers.kv.integrity import IntegrityTracker
 from gpu_workers.kv.manager import PageManager
@@ -49,6 +50,9 @@ class Engine:
         log.info("engine computes in %s (%s)", self.dtype.name, self.dtype.reason)
         self.model = model
         self.tokenizer = tokenizer
+        self.packed_linears = sum(isinstance(m, PackedLinear) for m in model.modules())
+        if self.packed_linears:
+            log.info("%d linears run oneDNN's packed bf16 GEMM", self.packed_linears)
         model_config = model.config
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
@@ -103,6 +107,8 @@ class Engine:
             path, dtype=config.torch_dtype, device=config.device, progress=progress, weights=config.weights
         )
         model.fuse_projections()
+        if config.device == "cpu":
+            pack_linears(model)
         return cls(model, load_tokenizer(path), config)
 
     # -- requests -------------------------------------------------------------------------------
@@ -422,6 +428,7 @@ class Engine:
         return {
             "dtype": self.dtype.name,
             "dtype_reason": self.dtype.reason,
+            "packed_linears": self.packed_linears,
             "kv_capacity_tokens": self.pages.capacity_tokens,
             "kv_pages_total": self.pages.num_pages,
             "kv_pages_used": self.pages.num_used,

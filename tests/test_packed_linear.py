@@ -1,0 +1,51 @@
+"""Serving on the CPU packs bf16 linears for oneDNN once at load: outputs bit-identical to ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available, pack_linears
+from gpu_workers.model import load_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu_packing_available(torch.bfloat16), reason="this CPU or torch build has no oneDNN bf16 GEMM"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_computes_exactly_what_f_linear_computes_for_any_batch(bias):
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(160, 96, generator=gen))
+    packed = PackedLinear(linear)
+    for shape in ((1, 96), (7, 96), (300, 96), (2, 5, 96)):
+        x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_only_plain_bf16_linears_are_packed():
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8), nn.Embedding(4, 8))
+    assert pack_linears(model) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
+
+
+def test_a_bf16_engine_packs_its_linears_and_greedy_tokens_stay_those_of_the_unpacked_model(tiny_llama_dir):
+    config = EngineConfig(dtype="bfloat16", kv_budget_bytes=2**22)
+    packed = Engine.from_pretrained(tiny_llama_dir, config)
+    # 2 layers x (q/k/v, o, gate/up, down) and the untied output projection.
+    assert packed.stats()["packed_linears"] == 9 and isinstance(packed.model.lm_head, PackedLinear)
+    model = load_model(tiny_llama_dir, dtype=torch.bfloat16)
+    model.fuse_projections()
+    plain = Engine(model, None, config)
+    assert plain.stats()["packed_linears"] == 0
+    prompts = [[3, 17, 42, 9], [88, 5, 61, 23, 7, 100, 11], [1] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in packed.generate(prompts, params)] == want
+    fp32 = Engine.from_pretrained(tiny_llama_dir, EngineConfig(dtype="float32", kv_budget_bytes=2**22))
+    assert fp32.stats()["packed_linears"] == 0  # fp32: F.linear is as fast, and faster at one row
