@@ -184,9 +184,16 @@ def decode_efficiency(engine, torch, prompts: list[list[int]], steps: int = 8) -
         step_s.append(time.perf_counter() - start)
     for request_id in ids:
         engine.abort(request_id)
-    weights = [
-        m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear) and m is not engine.model
-    ]
+    from gpu_workers.kernels.packed_linear import PackedLinear
+
+    # Torch's own GEMM on each linear's shape and dtype, on a plain weight: packed layers (oneDNN's
+    # blocked layout, kernels.packed_linear) are measured against what F.linear does with their shape.
+    weights = []
+    for m in engine.model.modules():
+        if isinstance(m, torch.nn.Linear) and m is not engine.model:
+            weights.append(m.weight)
+        elif isinstance(m, PackedLinear):
+            weights.append(torch.randn(m.out_features, m.in_features, device=m.packed.device).to(m.dtype))
     if engine.model.lm_head is None:  # tied: compute_logits multiplies by the embedding
         weights.append(engine.model.model.embed_tokens.weight)
     x = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
