@@ -716,6 +716,31 @@ def test_completion_stream_chunks_are_text_completions(gw):
     assert {c["object"] for c in chunks} == {"text_completion"}
 
 
+def test_tokens_a_read_returns_together_go_out_as_one_chunk(gw):
+    # A worker that got ahead of the gateway: five token entries and the final one land in one transaction,
+    # so the gateway's next read returns them all. Their text goes out as one chunk, then the finish chunk.
+    def burst(pools: FakePools, task: GenerateTask) -> None:
+        pipe = pools.redis.pipeline(transaction=True)
+        for i, text in enumerate("abcde"):
+            event = Event(kind="token", token_ids=[100 + i], text=text, worker_id="w")
+            pipe.xadd(stream_key(task.request_id), {STREAM_FIELD: event.to_json()})
+        usage = {"prompt_tokens": len(task.prompt_ids), "cached_tokens": 0, "completion_tokens": 5}
+        final = Event(kind="final", finish_reason="length", usage=usage, worker_id="w")
+        pipe.xadd(stream_key(task.request_id), {STREAM_FIELD: final.to_json()})
+        pipe.expire(stream_key(task.request_id), 60)
+        pipe.execute()
+
+    gw.pools.script = burst
+    body = {"model": gw.model, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    payloads = sse_payloads(gw.client.post("/v1/completions", headers=gw.auth(), json=body).text)
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]] == [
+        ("abcde", None),
+        ("", "length"),
+    ]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
 # -- worker errors, deadlines, dead workers --------------------------------------------------------------------
 
 

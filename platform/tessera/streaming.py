@@ -2,7 +2,8 @@
 
 A worker appends Events to ``stream_key(request_id)``; the gateway reads them with XREAD BLOCK, stops at
 the request's deadline or when the worker running it stops heartbeating, and sets ``cancel_key`` when
-the client goes away so the worker frees the request's pages at once.
+the client goes away so the worker frees the request's pages at once. Token entries that one read returns
+together (the gateway fell behind) are passed on as one event, so a busy gateway sends fewer, longer chunks.
 """
 
 from __future__ import annotations
@@ -107,13 +108,24 @@ class StreamReader:
                     yield _failure("stream_unavailable", f"lost the request's token stream ({e}); retry")
                     return
                 for _, entries in reply:
+                    # A run of token entries that one read returned (the reader fell behind the worker)
+                    # goes on as one event: one SSE chunk for the client to parse instead of many.
+                    tokens: Event | None = None
                     for entry_id, fields in entries:
                         last_id = entry_id
                         event = decode_entry(fields)
+                        if event.kind == "token":
+                            tokens = event if tokens is None else _joined(tokens, event)
+                            continue
+                        if tokens is not None:
+                            yield tokens
+                            tokens = None
                         finished = event.kind in ("final", "error")
                         yield event
                         if finished:
                             return
+                    if tokens is not None:
+                        yield tokens
                 if reply:
                     last_event = time.monotonic()
                 elif self.client_gone is not None and await self.client_gone():
@@ -137,6 +149,15 @@ class StreamReader:
         except RedisError:
             pass  # the next read reports Redis itself
         return False
+
+
+def _joined(first: Event, then: Event) -> Event:
+    return Event(
+        kind="token",
+        token_ids=first.token_ids + then.token_ids,
+        text=first.text + then.text,
+        worker_id=then.worker_id,
+    )
 
 
 def _failure(code: str, message: str) -> Event:
