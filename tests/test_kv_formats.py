@@ -156,7 +156,15 @@ def read_back(cache: KVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Te
 
 
 @pytest.mark.parametrize(
-    "scale", [1.0, 2.0**-9, 3.7, torch.tensor([[0.013], [4.0]]), torch.tensor([[0.013], [256.0]])]
+    "scale",
+    [
+        1.0,
+        2.0**-9,
+        3.7,
+        torch.tensor([[2.0**-7], [4.0]]),  # powers of two: bf16 holds the factor, the fast bf16 path
+        torch.tensor([[0.013], [4.0]]),
+        torch.tensor([[0.013], [256.0]]),
+    ],
 )
 def test_the_cpu_fp8_decode_equals_torchs_cast_for_every_stored_bit_pattern(scale):
     bits = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # every e4m3 value, subnormals and -0 included

@@ -55,12 +55,21 @@ def dequantize_fp8(bits: torch.Tensor, scale: torch.Tensor | float, dtype: torch
     # ops below): place the e4m3 fields into a 16-bit float's instead, which the CPU widens in hardware,
     # and put back with the scale, in fp32, the power of two they sit below their value.
     bits = bits.view(torch.uint8)
-    if dtype != torch.bfloat16:
-        # bfloat16's fields take one integer op fewer; its result, 2^120 below, would overflow the factor
-        # of a scale of 2^8 or more. Not for a bf16 result: fp32 math into a bf16 tensor is a slow loop.
-        factor = _times(scale, BF16_FIELDS_OFFSET)
-        if _finite(factor):
-            return e4m3_bits_as_bf16(bits).float().mul_(factor).to(dtype)
+    # bfloat16's fields take one integer op fewer than float16's; they sit 2^120 below their value, which
+    # would overflow the factor of a scale of 2^8 or more (those take the float16 route).
+    factor = _times(scale, BF16_FIELDS_OFFSET)
+    if _finite(factor):
+        placed = e4m3_bits_as_bf16(bits)
+        if dtype != torch.bfloat16:
+            return placed.float().mul_(factor).to(dtype)
+        # Into bf16 in place, in fp32 math with one rounding, as `.float() * scale` then `.to` rounds: a
+        # Python scale as is; a tensor of scales as bf16 when that holds them exactly (powers of two, as
+        # the cache's dynamic scales are), since fp32 tensor math into bf16 is a slow loop on the CPU.
+        if isinstance(factor, float):
+            return placed.mul_(factor)
+        exact = factor.to(torch.bfloat16)
+        if torch.equal(exact.float(), factor):
+            return placed.mul_(exact)
     return e4m3_bits_as_half(bits).float().mul_(_times(scale, 256.0)).to(dtype)
 
 
