@@ -198,6 +198,7 @@ class WorkerInfo(Message):
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     generated_tokens: int = 0
+    steps: int = 0  # engine steps since it started: generated_tokens / steps is its mean decode batch
     preemptions: int = 0  # sequences the engine preempted (out of KV pages) since it started
     config_version: int | None = None  # the announced config version it serves (None: none announced)
     integrity_check: bool | None = None

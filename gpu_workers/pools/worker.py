@@ -153,6 +153,7 @@ def run_worker(
             prefix_cache_query_tokens=stats["prefix_cache_query_tokens"],
             prefix_cache_hit_tokens=stats["prefix_cache_hit_tokens"],
             generated_tokens=stats["generated_tokens"],
+            steps=stats["steps"],
             preemptions=stats["preemptions"],
             config_version=watch.version,
             integrity_check=spec.integrity_check,

@@ -383,6 +383,8 @@ async def _pool_status(
                 running=w.running,
                 waiting=w.waiting,
                 integrity_mismatches=w.integrity_mismatches,
+                generated_tokens=w.generated_tokens,
+                steps=w.steps,
                 preemptions=w.preemptions,
                 config_version=w.config_version,
                 integrity_check=w.integrity_check,

@@ -251,6 +251,10 @@ class WorkerStatus(BaseModel):
     running: int
     waiting: int
     integrity_mismatches: int
+    generated_tokens: int = Field(description="tokens its engine generated since it started")
+    steps: int = Field(
+        description="engine steps since it started; generated_tokens / steps is its mean batch of sampled rows"
+    )
     preemptions: int = Field(
         description="sequences its engine preempted for lack of KV pages (recomputed later) since it started"
     )

@@ -10,6 +10,11 @@ Besides wall-clock tok/s, each side reports tokens per CPU second: the stack's p
 supervisor; not the embedded Redis, which runs detached) against this process's own CPU time offline. On
 a machine shared with other work, wall-clock speed follows each process's share of the cores; CPU time
 says what serving a token costs.
+
+Each side also reports its decode engine's mean batch at ``concurrency`` streams: tokens generated per engine
+step (the decode worker's from its heartbeats, read through ``/admin/pools``). Offline, all requests start
+at once; through the API they reach the decode worker one by one, through the gateway, the task queue and
+prefill, so its first steps run small batches.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
+from datetime import date, datetime
 from pathlib import Path
 
+from gpu_workers.protocol import HEARTBEAT_INTERVAL_S
 from tessera.bench import BenchError
 from tessera.bench.stats import format_ratio, format_spread, spread
 
@@ -120,6 +126,33 @@ def _measure(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     stack = psutil.Process(stack_pid)
+    root = base_url.removesuffix("/v1")
+    tokens_per_step: dict[str, list[float]] = {"api": [], "offline": []}
+
+    def decode_counters() -> tuple[int, int]:
+        """(generated tokens, engine steps) of the deployment's decode workers, from heartbeats sent after
+        this call: the counters include everything done before it."""
+        import httpx
+
+        asked = time.time()
+        deadline = time.monotonic() + 3 * HEARTBEAT_INTERVAL_S
+        while True:
+            reply = httpx.get(
+                f"{root}/admin/pools", headers={"Authorization": f"Bearer {key}"}, params={"limit": 200}
+            )
+            if reply.status_code != 200:
+                raise BenchError(f"/admin/pools answered {reply.status_code}: {reply.text[:200]}")
+            workers = [
+                w
+                for pool in reply.json()["data"]
+                if pool["deployment"] == DEFAULT_MODEL and pool["pool"] == "decode"
+                for w in pool["workers"]
+            ]
+            if workers and all(datetime.fromisoformat(w["last_seen"]).timestamp() > asked for w in workers):
+                return sum(w["generated_tokens"] for w in workers), sum(w["steps"] for w in workers)
+            if time.monotonic() > deadline:
+                raise BenchError("the decode workers sent no heartbeat in time to read their counters")
+            time.sleep(0.2)
 
     def stack_cpu_s() -> dict[str, float]:
         """CPU seconds so far per part of the stack: api, prefill, decode, supervisor."""
@@ -134,9 +167,15 @@ def _measure(
         return parts
 
     def offline(n: int) -> tuple[float, float]:
+        before = engine.stats()
         start, cpu = time.perf_counter(), time.process_time()
         outputs = engine.generate([prompt_ids] * n, params)
         tokens = sum(len(o.token_ids) for o in outputs)
+        if n == concurrency:
+            after = engine.stats()
+            tokens_per_step["offline"].append(
+                (after["generated_tokens"] - before["generated_tokens"]) / (after["steps"] - before["steps"])
+            )
         return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
     async def api(n: int) -> tuple[float, float]:
@@ -157,11 +196,15 @@ def _measure(
                     tokens = chunk.usage.completion_tokens
             return tokens
 
+        counted = decode_counters() if n == concurrency else None
         start, before = time.perf_counter(), stack_cpu_s()
         tokens = sum(await asyncio.gather(*(one() for _ in range(n))))
         elapsed = time.perf_counter() - start
         after = stack_cpu_s()
         await client.close()
+        if counted is not None:
+            generated, steps = (b - a for a, b in zip(counted, decode_counters(), strict=True))
+            tokens_per_step["api"].append(generated / steps)
         for part, cpu_s in after.items():
             cpu_ms_per_token.setdefault(f"{part}_{n}", []).append(
                 1000 * (cpu_s - before.get(part, 0.0)) / tokens
@@ -172,6 +215,8 @@ def _measure(
     offline(2)  # warm-up: one-off costs on both sides
     asyncio.run(api(2))
     cpu_ms_per_token.clear()
+    tokens_per_step["api"].clear()
+    tokens_per_step["offline"].clear()
     names = [f"{side}_{n}" for side in ("api", "offline") for n in (concurrency, 1)]
     sides: dict[str, list[float]] = {name: [] for name in names}
     per_cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -208,6 +253,9 @@ def _measure(
         "tok_per_cpu_s": {name: spread(values) for name, values in per_cpu.items()},
         "api_vs_offline_per_cpu_s": ratios(per_cpu),
         "stack_cpu_ms_per_token": {name: spread(values) for name, values in sorted(cpu_ms_per_token.items())},
+        "decode_tokens_per_step": {
+            f"{side}_{concurrency}": spread(values) for side, values in tokens_per_step.items()
+        },
     }
 
 
@@ -233,3 +281,7 @@ def _print(report: dict) -> None:
         f"{name} {format_spread(value, '.2f')}" for name, value in report["stack_cpu_ms_per_token"].items()
     )
     print(f"stack CPU ms per output token (part_streams): {parts}")
+    batches = ", ".join(
+        f"{name} {format_spread(value, '.1f')}" for name, value in report["decode_tokens_per_step"].items()
+    )
+    print(f"decode engine tokens per step at {report['concurrency']} streams (mean batch): {batches}")
