@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available, pack_linears
+from gpu_workers.kernels.packed_linear import PackedLinear, bucket_rows, cpu_packing_available, pack_linears
 from gpu_workers.model import load_model
 
 pytestmark = pytest.mark.skipif(
@@ -23,9 +23,19 @@ def test_a_packed_linear_computes_exactly_what_f_linear_computes_for_any_batch(b
     with torch.no_grad():
         linear.weight.copy_(torch.randn(160, 96, generator=gen))
     packed = PackedLinear(linear)
-    for shape in ((1, 96), (7, 96), (300, 96), (2, 5, 96)):
+    for shape in ((1, 96), (7, 96), (33, 96), (300, 96), (2049, 96), (2, 5, 96), (3, 17, 96)):
         x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_row_counts_run_in_few_sizes_that_hold_them():
+    # Every size from 1 to 4,096 rows maps onto at most ~90 GEMM shapes (oneDNN caches 1,024 primitives),
+    # never fewer rows than asked, and small decode batches run exactly.
+    sizes = {rows: bucket_rows(rows) for rows in range(0, 4097)}
+    assert all(padded >= rows for rows, padded in sizes.items())
+    assert all(sizes[rows] == rows for rows in range(33))
+    assert len(set(sizes.values())) <= 100
+    assert max(padded / rows for rows, padded in sizes.items() if rows > 256) < 1.25
 
 
 def test_only_plain_bf16_linears_are_packed():

@@ -10,7 +10,21 @@ outputs are bit-identical to ``F.linear`` (measured on this project's 2-core CPU
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a GEMM of ``rows`` rows runs at: exact up to 32, then rounded up to a multiple of 8 (to
+    128), 16 (to 256), 64 (to 2,048) and 256. oneDNN builds a primitive per shape (~0.45 ms here) and caches 1,024:
+    a server whose batches take every size from 1 to a few hundred, times a model's few weight shapes,
+    outgrows that cache and rebuilds on nearly every call (measured: 400 sizes x 4 shapes ran 5.5x slower
+    per call than 100 x 4). 88 sizes cover 1 to 4,096 rows, so every primitive stays cached; the padding
+    adds at most 7 rows up to 128, 15 up to 256, 63 up to 2,048 and 255 beyond."""
+    if rows <= 32:
+        return rows
+    step = 8 if rows <= 128 else 16 if rows <= 256 else 64 if rows <= 2048 else 256
+    return -(-rows // step) * step
 
 
 def cpu_packing_available(dtype: torch.dtype) -> bool:
@@ -36,7 +50,13 @@ class PackedLinear(nn.Module):
         self.dtype = linear.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.numel() // self.in_features
+        padded = bucket_rows(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        flat = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out[:rows].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
