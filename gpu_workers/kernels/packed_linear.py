@@ -1,9 +1,9 @@
 """Dense bf16 linears on the CPU with the weight reordered once into oneDNN's blocked layout.
 
-``F.linear`` on a bf16 weight in plain row-major layout lets oneDNN reorder it on every call; the reorder
-dominates at the batch sizes of decode. ``PackedLinear`` reorders once, when a serving model is prepared
-(as torch's own CPU freezing does), and keeps only the packed weight: the same bytes, the same GEMM, so
-outputs are bit-identical to ``F.linear`` (measured on this project's 2-core CPU, one thread: [1, 256] ×
+``F.linear`` hands oneDNN a plain row-major bf16 weight on every call. ``PackedLinear`` reorders it once,
+when a serving model is prepared (as torch's own CPU freezing does), and keeps only the packed weight: the
+same bytes and the same GEMM, so outputs are bit-identical to ``F.linear``, with less work per call, which
+is what counts at decode's batch sizes (measured on this project's 2-core CPU, one thread: [1, 256] ×
 [256, 1536] 47 -> 28 µs, [32, 256] × [256, 1536] 153 -> 129 µs; prefill-sized inputs unchanged).
 """
 
@@ -15,12 +15,13 @@ from torch import nn
 
 
 def bucket_rows(rows: int) -> int:
-    """The row count a GEMM of ``rows`` rows runs at: exact up to 32, then rounded up to a multiple of 8 (to
-    128), 16 (to 256), 64 (to 2,048) and 256. oneDNN builds a primitive per shape (~0.45 ms here) and caches 1,024:
-    a server whose batches take every size from 1 to a few hundred, times a model's few weight shapes,
-    outgrows that cache and rebuilds on nearly every call (measured: 400 sizes x 4 shapes ran 5.5x slower
-    per call than 100 x 4). 88 sizes cover 1 to 4,096 rows, so every primitive stays cached; the padding
-    adds at most 7 rows up to 128, 15 up to 256, 63 up to 2,048 and 255 beyond."""
+    """The row count a GEMM of ``rows`` rows runs at: exact up to 32, then rounded up to a multiple of 8
+    (to 128), 16 (to 256), 64 (to 2,048) and 256. oneDNN builds a primitive per shape (~0.45 ms here) and
+    caches 1,024: a server whose batches take every size from 1 to a few hundred, times a model's few
+    weight shapes, outgrows that cache and rebuilds on nearly every call (measured: 400 sizes x 4 shapes
+    ran 1.4-1.6x slower per size than with these buckets). 88 sizes cover 1 to 4,096 rows, so every
+    primitive stays cached; the padding adds at most 7 rows up to 128, 15 up to 256, 63 up to 2,048 and
+    255 beyond."""
     if rows <= 32:
         return rows
     step = 8 if rows <= 128 else 16 if rows <= 256 else 64 if rows <= 2048 else 256

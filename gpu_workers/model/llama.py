@@ -168,6 +168,5 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab] of the hidden states [N, hidden] the caller picked (e.g. last tokens)."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(
-            hidden
-        ).float()  # a module call: serving may have packed it (kernels.packed_linear)
+        # A module call, not its weight: serving may have packed it (kernels.packed_linear).
+        return self.lm_head(hidden).float()
