@@ -269,8 +269,9 @@ async def _hang_up_after_first_chunk(base: str, raw: str, body: dict) -> int:
 
 
 async def _give_up_waiting(base: str, raw: str, body: dict) -> str:
-    # Only the wait for the answer is short: connecting may be slow on a loaded machine.
-    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(0.5, connect=30)) as client:
+    # Only the wait for the answer is short: connecting and sending may be slow on a loaded machine (a
+    # 0.5 s write timeout failed a full CI run with 200 requests starting at once on 2 cores).
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(30, read=0.5)) as client:
         try:
             await client.post("/v1/completions", headers=auth(raw), json=body)
         except httpx.ReadTimeout:
