@@ -168,8 +168,8 @@ def test_a_successor_that_fails_beside_its_predecessor_makes_the_predecessor_dra
 
 
 # A stand-in for `tessera up`: its SIGTERM handler raises (as the launcher's does), it keeps starting children
-# (as config reloads do), and on the signal it stops what its supervisor knows of. The marker in each child's
-# environment finds any child the supervisor lost track of.
+# (as config reloads do), and on the signal it stops what its supervisor knows of. The data dir in each child's
+# environment finds any child the supervisor lost track of (as the launcher tests find `tessera up`'s).
 STARTS_UNTIL_SIGTERM = """
 import io, signal, sys, time
 from pathlib import Path
@@ -183,7 +183,7 @@ def on_sigterm(signum, frame):
 
 signal.signal(signal.SIGTERM, on_sigterm)
 sup = Supervisor(io.StringIO())
-log, env = Path(sys.argv[1]), {"PATH": "/usr/bin:/bin", "SUPERVISED_BY": sys.argv[2]}
+log, env = Path(sys.argv[1]), {"PATH": "/usr/bin:/bin", "TESSERA_DATA_DIR": sys.argv[2]}
 first = sup.spawn("worker", ["sleep", "120"], env, log)
 print("ready", flush=True)
 try:
@@ -197,29 +197,19 @@ print(len(sup.children), flush=True)
 """
 
 
-def _with_marker(marker: str) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"SUPERVISED_BY={marker}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    found.add(int(entry.name))
-            except OSError:
-                continue
-    return {p for p in found if alive(p)}
-
-
 def test_a_signal_while_a_child_starts_never_leaves_that_child_running_untracked(tmp_path):
     # SIGTERM lands at varied moments of a loop that is nearly all process starts: before the signals were
     # held across a start, an exception raised inside Popen (after the fork, before the child was recorded)
     # left that child running once stop() had returned.
     import subprocess
 
+    from test_launcher import started_for
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for trial in range(12):
-        marker = f"{os.getpid()}-{trial}"
+        marker = tmp_path / f"run-{trial}"
         runner = subprocess.Popen(
-            [PY, "-c", STARTS_UNTIL_SIGTERM, str(tmp_path / "w.log"), marker],
+            [PY, "-c", STARTS_UNTIL_SIGTERM, str(tmp_path / "w.log"), str(marker)],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -229,7 +219,7 @@ def test_a_signal_while_a_child_starts_never_leaves_that_child_running_untracked
         runner.send_signal(signal.SIGTERM)
         out, _ = runner.communicate(timeout=60)
         assert runner.returncode == 0 and out.strip() == "0", out
-        left = _with_marker(marker)
+        left = started_for(marker)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, f"trial {trial}: {len(left)} child(ren) outlived the supervisor's stop()"

@@ -42,17 +42,17 @@ class DecodeRows:
             order = sorted(range(len(lens)), key=lens.__getitem__)
             size = -(-len(order) // num_groups)
             # Groups as wide (in pages) as the next pad no less apart than together: they stay one call.
-            split: list[list[int]] = []
+            split: list[tuple[int, list[int]]] = []  # (width in pages, rows)
             for start in range(0, len(order), size):
                 members = order[start : start + size]
-                if split and -(-lens[split[-1][-1]] // page_size) == -(-lens[members[-1]] // page_size):
-                    split[-1] += members
+                width = -(-lens[members[-1]] // page_size)
+                if split and split[-1][0] == width:
+                    split[-1][1].extend(members)
                 else:
-                    split.append(members)
+                    split.append((width, members))
             if len(split) > 1:
-                for members in split:
+                for width, members in split:
                     index = torch.tensor(members, dtype=torch.long, device=rows.device)
-                    width = -(-lens[members[-1]] // page_size)
                     whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
         return whole
 
