@@ -9,6 +9,7 @@ import sys
 import textwrap
 import uuid
 from collections import defaultdict
+from datetime import datetime, timedelta, timezone
 
 import httpx
 import pytest
@@ -20,7 +21,8 @@ from test_budgets import gw as gw
 from test_budgets import stack as stack
 from test_gateway import reply, wait_for
 
-from billing import BillingConsumer, LedgerEvent
+import billing
+from billing import BillingConsumer, LedgerEvent, UsageEvent
 from gpu_workers.pools.metrics import EngineCollector, Exporter
 
 
@@ -146,12 +148,51 @@ def test_no_label_names_a_request(gw):
     assert request_id not in text and request_id.removeprefix("req_") not in text
 
 
+def test_the_usage_counters_count_rows_committed_by_a_process_that_died_before_moving_any_meter(gw):
+    """A billing consumer killed right after its commit never ran the code after it; the rows are in the
+    ledger, so the counters have them: what committed them here is ``record_events`` alone, the consumer's
+    own write, with nothing after it."""
+    model = f"@died/m-{uuid.uuid4().hex[:8]}"
+    _, tenant_id, _ = gw.tenant()
+    started = datetime.now(timezone.utc)
+    events = [
+        UsageEvent(
+            request_id=f"req_died_{uuid.uuid4().hex[:12]}",
+            tenant_id=tenant_id,
+            deployment=model,
+            model=model,
+            status=status,
+            prompt_tokens=40 + i,
+            cached_tokens=16,
+            output_tokens=3 * i,
+            started_at=started,
+            first_token_at=started + timedelta(milliseconds=30),
+            finished_at=started + timedelta(milliseconds=200),
+        )
+        for i, status in enumerate(("completed", "completed", "cancelled"))
+    ]
+    with gw.sessions() as session:
+        rows = billing.record_events(session, events)
+    assert len(rows) == 3
+    samples = scrape(gw.base, gw.admin_key)
+    assert value(samples, "tessera_tokens_total", tenant=tenant_id, model=model, kind="cached") == 48
+    assert value(samples, "tessera_tokens_total", tenant=tenant_id, model=model, kind="fresh") == 24 * 3 + 3
+    assert value(samples, "tessera_tokens_total", tenant=tenant_id, model=model, kind="output") == 9
+    assert value(samples, "tessera_cost_usd_total", tenant=tenant_id, model=model) == pytest.approx(
+        sum(r["cost"] for r in rows) / 1e6, abs=1e-12
+    )
+    assert value(samples, "tessera_requests_total", model=model, status="completed") == 2
+    assert value(samples, "tessera_requests_total", model=model, status="cancelled") == 1
+    # Only the consumer that inserted a row observes its timings: these rows moved no histogram.
+    assert value(samples, "tessera_request_duration_seconds_count", model=model) == 0
+
+
 _CHILD = textwrap.dedent(
     """
     import sys
     from billing import metrics
     row = dict(tenant_id="t1", model="m", status="completed", cached_input_tokens=1, fresh_input_tokens=2,
-               output_tokens=int(sys.argv[1]), cost=7, ttft_s=0.1, duration_s=0.5)
+               output_tokens=int(sys.argv[1]), cost=7, ttft_s=0.1, duration_s=float(sys.argv[2]))
     metrics.observe_ledger_rows([row])
     """
 )
@@ -163,10 +204,12 @@ _READER = textwrap.dedent(
 )
 
 
-def test_under_prometheus_multiproc_dir_every_process_counts_into_one_exposition(tmp_path):
+def test_under_prometheus_multiproc_dir_every_process_observes_into_one_exposition(tmp_path):
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    for output in (3, 5):  # two processes, each its own ledger row
-        subprocess.run([sys.executable, "-c", _CHILD, str(output)], check=True, env=env, timeout=60)
+    for output, duration in ((3, 0.5), (5, 2.0)):  # two processes, each its own ledger row
+        subprocess.run(
+            [sys.executable, "-c", _CHILD, str(output), str(duration)], check=True, env=env, timeout=60
+        )
     text = subprocess.run(
         [sys.executable, "-c", _READER], check=True, env=env, capture_output=True, text=True, timeout=60
     ).stdout
@@ -174,9 +217,13 @@ def test_under_prometheus_multiproc_dir_every_process_counts_into_one_exposition
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    assert value(samples, "tessera_tokens_total", tenant="t1", model="m", kind="output") == 8
-    assert value(samples, "tessera_requests_total", model="m", status="completed") == 2
-    assert value(samples, "tessera_cost_usd_total", tenant="t1", model="m") == pytest.approx(14e-6)
+    assert value(samples, "tessera_request_duration_seconds_count", model="m") == 2
+    assert value(samples, "tessera_request_duration_seconds_sum", model="m") == pytest.approx(2.5)
+    assert value(samples, "tessera_request_duration_seconds_bucket", model="m", le="1.0") == 1
+    # tpot: (duration - ttft) / (output - 1) per row
+    assert value(samples, "tessera_time_per_output_token_seconds_sum", model="m") == pytest.approx(
+        0.2 + 0.475
+    )
 
 
 # -- the worker's exporter ------------------------------------------------------------------------------------

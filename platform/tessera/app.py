@@ -110,7 +110,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse, tags=["metrics"])
     def prometheus_metrics(caller: AdminCaller) -> PlainTextResponse:
         """Prometheus' text format; admin keys only, since the labels name tenants."""
-        body, content_type = billing_metrics.exposition()
+        body, content_type = billing_metrics.exposition(sessions)
         return PlainTextResponse(body, media_type=content_type)
 
     return app
