@@ -1,16 +1,25 @@
 """Read a request's token stream from Redis and shape it as OpenAI responses: SSE chunks or one body.
 
-A worker appends Events to ``stream_key(request_id)``; the gateway reads them with XREAD BLOCK, stops at
-the request's deadline or when the worker running it stops heartbeating, and sets ``cancel_key`` when
-the client goes away so the worker frees the request's pages at once. Token entries that one read returns
-together (the gateway fell behind) are passed on as one event, so a busy gateway sends fewer, longer chunks.
+A worker appends Events to ``stream_key(request_id)``; the gateway reads them, stops at the request's
+deadline or when the worker running it stops heartbeating, and sets ``cancel_key`` when the client goes away
+so the worker frees the request's pages at once. Token entries that one read returns together (the gateway
+fell behind) are passed on as one event, so a busy gateway sends fewer, longer chunks.
+
+One ``StreamHub`` per Redis client reads every stream its process's requests are waiting on with a single
+XREAD BLOCK: a worker's engine step appends a token to each of its requests' streams in one pipeline, and the
+hub takes all of them in one round trip, where a read per request made one round trip per request per step
+(and held one pooled connection per waiting request). A request that starts reading while the hub's XREAD
+is blocked wakes it with an entry on the hub's own wake stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
+import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -71,6 +80,143 @@ async def cancel(redis: aioredis.Redis, request_id: str) -> None:
         await redis.set(cancel_key(request_id), b"1", ex=STREAM_TTL_S)
 
 
+class HubReadFailed(RedisError):
+    """The hub's XREAD failed: every stream it was reading reports the error."""
+
+
+class Subscription:
+    """The entries the hub has read for one stream and not yet handed out."""
+
+    def __init__(self, hub: StreamHub, key: bytes, last_id: bytes):
+        self.hub = hub
+        self.key = key
+        self.last_id = last_id
+        self.entries: list[tuple[bytes, dict[bytes, bytes]]] = []
+        self.error: RedisError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def read(self, timeout_s: float) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The entries after the last ones read, waiting up to ``timeout_s`` for some ([] when none came);
+        raises the hub's error when its read failed."""
+        if not self.entries and self.error is None:
+            await self.hub.ensure_reading(self)
+        if not self.entries and self.error is None:  # (entries may have come while it woke the hub)
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _set_done, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        if self.error is not None:
+            raise self.error
+        entries, self.entries = self.entries, []
+        return entries
+
+    def close(self) -> None:
+        self.hub.unsubscribe(self)
+
+    def _deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        self.entries.extend(entries)
+        self.last_id = entries[-1][0]
+        _set_done(self._waiter)
+
+    def _fail(self, error: RedisError) -> None:
+        self.error = error
+        _set_done(self._waiter)
+
+
+def _set_done(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+class StreamHub:
+    """Reads every subscribed stream with one XREAD BLOCK at a time, on one of the client's connections.
+
+    The reading task runs while any stream is subscribed. ``block_ms`` bounds how long one read waits; a new
+    subscriber during a blocked read adds an entry to ``wake_key`` (a stream of the hub's own, trimmed to
+    one entry and expiring), which ends that read at once."""
+
+    WAKE_TTL_S = 3600
+
+    def __init__(self, redis: aioredis.Redis, *, block_ms: int = BLOCK_MS, count: int = 64):
+        self.redis = redis
+        self.block_ms = block_ms
+        self.count = count
+        self.wake_key = f"tessera:hub:{uuid.uuid4().hex}".encode()
+        self._wake_id = b"0-0"
+        self._subs: dict[bytes, Subscription] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._reading: set[bytes] = set()  # the keys of the XREAD in flight
+
+    def subscribe(self, key: str | bytes, last_id: bytes = b"0-0") -> Subscription:
+        key = key.encode() if isinstance(key, str) else key
+        if key in self._subs:
+            raise ValueError(f"stream {key!r} is already being read")
+        sub = self._subs[key] = Subscription(self, key, last_id)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if self._subs.get(sub.key) is sub:
+            del self._subs[sub.key]
+
+    async def ensure_reading(self, sub: Subscription) -> None:
+        """Make sure a read covers ``sub``: start the reading task, or wake the one blocked without it."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._reading = set()
+            self._task = loop.create_task(self._run(), name="tessera-stream-hub")
+        elif sub.key not in self._reading and self._reading:
+            self._reading.clear()  # one wake per blocked read is enough
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=1, approximate=False)
+                    pipe.expire(self.wake_key, self.WAKE_TTL_S)
+                    await pipe.execute()
+            except RedisError as e:
+                sub._fail(e)
+
+    async def _run(self) -> None:
+        try:
+            while self._subs:
+                streams = {self.wake_key: self._wake_id}
+                streams.update((key, sub.last_id) for key, sub in self._subs.items())
+                self._reading = set(streams)
+                try:
+                    reply = await self.redis.xread(streams, block=self.block_ms, count=self.count)
+                except RedisError as e:
+                    error = HubReadFailed(str(e))
+                    for sub in list(self._subs.values()):
+                        sub._fail(error)
+                    self._subs.clear()
+                    return
+                finally:
+                    self._reading = set()
+                for key, entries in reply or ():
+                    if key == self.wake_key:
+                        self._wake_id = entries[-1][0]
+                        continue
+                    sub = self._subs.get(key)
+                    if sub is not None and entries:
+                        sub._deliver(entries)
+        finally:
+            if self._task is asyncio.current_task():
+                self._task = None
+
+
+_HUBS: weakref.WeakKeyDictionary[aioredis.Redis, StreamHub] = weakref.WeakKeyDictionary()
+
+
+def hub_for(redis: aioredis.Redis) -> StreamHub:
+    """The stream hub of a Redis client (one per client: the gateway has one client per process)."""
+    hub = _HUBS.get(redis)
+    if hub is None:
+        hub = _HUBS[redis] = StreamHub(redis)
+    return hub
+
+
 @dataclass
 class StreamReader:
     """The Events of one request, in order, ending with its final or error event (never hanging)."""
@@ -85,48 +231,43 @@ class StreamReader:
 
     async def events(self) -> AsyncIterator[Event]:
         """Use under ``contextlib.aclosing`` so an early exit cancels the request on the worker at once."""
-        key = stream_key(self.request_id)
-        last_id = b"0-0"
+        subscription = hub_for(self.redis).subscribe(stream_key(self.request_id))
         last_event = time.monotonic()
         # The stream is left to expire rather than deleted: a redelivered task reads it to see the request
         # already finished (and must not run, or bill, twice).
         finished = False  # the worker ended the stream itself; otherwise tell it to stop
         try:
             while True:
-                remaining_ms = int((self.deadline - time.time()) * 1000)
-                if remaining_ms <= 0:
+                remaining_s = self.deadline - time.time()
+                if remaining_s <= 0:
                     yield _failure(
                         "timeout",
                         "the request ran past its deadline; retry later or with a smaller max_tokens",
                     )
                     return
                 try:
-                    reply = await self.redis.xread(
-                        {key: last_id}, block=min(BLOCK_MS, remaining_ms), count=64
-                    )
+                    entries = await subscription.read(min(BLOCK_MS / 1000, remaining_s))
                 except RedisError as e:
                     yield _failure("stream_unavailable", f"lost the request's token stream ({e}); retry")
                     return
-                for _, entries in reply:
-                    # A run of token entries that one read returned (the reader fell behind the worker)
-                    # goes on as one event: one SSE chunk for the client to parse instead of many.
-                    tokens: Event | None = None
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        event = decode_entry(fields)
-                        if event.kind == "token":
-                            tokens = event if tokens is None else _joined(tokens, event)
-                            continue
-                        if tokens is not None:
-                            yield tokens
-                            tokens = None
-                        finished = event.kind in ("final", "error")
-                        yield event
-                        if finished:
-                            return
+                # A run of token entries that one read returned (the reader fell behind the worker) goes on
+                # as one event: one SSE chunk for the client to parse instead of many.
+                tokens: Event | None = None
+                for _, fields in entries:
+                    event = decode_entry(fields)
+                    if event.kind == "token":
+                        tokens = event if tokens is None else _joined(tokens, event)
+                        continue
                     if tokens is not None:
                         yield tokens
-                if reply:
+                        tokens = None
+                    finished = event.kind in ("final", "error")
+                    yield event
+                    if finished:
+                        return
+                if tokens is not None:
+                    yield tokens
+                if entries:
                     last_event = time.monotonic()
                 elif self.client_gone is not None and await self.client_gone():
                     return
@@ -136,6 +277,7 @@ class StreamReader:
                     )
                     return
         finally:
+            subscription.close()
             if not finished:
                 await cancel(self.redis, self.request_id)
 
