@@ -52,6 +52,7 @@ class BillingConsumer(GroupConsumer[UsageEvent]):
         claim_idle_s: float = 30.0,
         batch: int = 1000,  # entries per read and per ledger transaction (tessera bench usage: 200 vs 1000)
         block_s: float = 1.0,
+        linger_s: float = 0.0,
         grace: timedelta = DEFAULT_GRACE,
         flush_s: float = 1.0,
     ):
@@ -65,6 +66,7 @@ class BillingConsumer(GroupConsumer[UsageEvent]):
             claim_idle_s=claim_idle_s,
             batch=batch,
             block_s=block_s,
+            linger_s=linger_s,
         )
         self.grace = grace  # how long a month's invoice stays open after it (billing.invoices)
         self.flush_s = flush_s  # how often the gateway's 429 counters move into the database

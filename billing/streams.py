@@ -7,6 +7,11 @@ entry written but not acknowledged (the consumer died between the two) is writte
 Entries a dead or stalled consumer left unacknowledged are claimed (XAUTOCLAIM) by any consumer once idle
 for ``claim_idle_s``. An entry that can never be written (malformed, or a row the database refuses) moves
 to a dead-letter stream with the reason, so one bad entry cannot hold back the rest.
+
+A transaction costs far more than a row (``billing.record_events`` on SQLite, measured: 5.2–6.5 ms of CPU
+per row one at a time, 0.2–0.6 at 64 a transaction), so after a batch smaller than ``batch`` the consumer
+waits ``linger_s`` before its next read: under steady traffic entries are written a few times a second in
+batches, not one transaction each; an entry after a quiet spell is still written at once.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class GroupConsumer(Generic[T]):
         claim_idle_s: float = 30.0,
         batch: int = 100,
         block_s: float = 1.0,
+        linger_s: float = 0.0,
         max_deliveries: int = MAX_DELIVERIES,
     ):
         self.redis = redis
@@ -107,6 +113,7 @@ class GroupConsumer(Generic[T]):
         self.claim_idle_s = claim_idle_s
         self.batch = batch  # entries per read and per transaction
         self.block_s = block_s  # bounds how long ``stop`` waits
+        self.linger_s = linger_s  # the wait after a short batch, for the next one to fill
         self.max_deliveries = max_deliveries
         # Unique per run: a restarted process is a new consumer, and claims what its old self left.
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -160,6 +167,8 @@ class GroupConsumer(Generic[T]):
                 elif own_pending:
                     own_pending = False
                 failures = 0
+                if entries and len(entries) < self.batch and self.linger_s > 0:
+                    self._stop.wait(self.linger_s)
             except Exception as exc:  # the thread must outlive any one failure, or entries pile up unseen
                 failures += 1
                 own_pending = True

@@ -389,6 +389,37 @@ def test_a_consumer_killed_mid_batch_and_restarted_never_double_counts(
     assert_charged_once(sessions, outcomes)
 
 
+class CountingConsumer(BillingConsumer):
+    """The billing consumer, counting its transactions (each ``write`` is one)."""
+
+    transactions = 0
+
+    def write(self, items):
+        self.transactions += 1
+        super().write(items)
+
+
+@pytest.mark.parametrize("linger_s, most", [(0.3, 12), (0.0, None)])
+def test_under_steady_traffic_a_lingering_consumer_charges_in_batches(
+    client, stream, sessions, caller, linger_s, most
+):
+    outcomes = [outcome(caller, n) for n in range(40)]
+    consumer = CountingConsumer(client, sessions, stream, block_s=0.1, linger_s=linger_s)
+    consumer.start()
+    try:
+        for o in outcomes:  # one outcome every 40 ms, as requests end one by one
+            publish(stream, [o])
+            time.sleep(0.04)
+        wait_for(lambda: consumer.charged == 40)
+    finally:
+        consumer.stop()
+    assert_charged_once(sessions, outcomes)
+    if most is None:  # without a linger, about one transaction per outcome
+        assert consumer.transactions >= 16, consumer.transactions
+    else:  # ~1.6 s of traffic: a transaction per read, and a read per linger
+        assert consumer.transactions <= most, consumer.transactions
+
+
 def test_malformed_entries_move_aside_and_the_rest_are_charged(client, stream, sessions, caller):
     outcomes = [outcome(caller, n) for n in range(5)]
     client.xadd(stream, {"outcome": b"{not json"})

@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.records_stream,
         maxlen=settings.records_stream_maxlen,
         claim_idle_s=settings.records_claim_idle_s,
+        linger_s=settings.records_linger_s,
     )
     billing_consumer = BillingConsumer(  # its own consumer group on the same stream: charges the ledger
         sync_redis,
@@ -55,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings.records_stream,
         maxlen=settings.records_stream_maxlen,
         claim_idle_s=settings.records_claim_idle_s,
+        linger_s=settings.records_linger_s,
         grace=timedelta(days=settings.invoice_grace_days),
     )
     quotas = Quotas(redis)

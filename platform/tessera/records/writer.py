@@ -50,6 +50,7 @@ class RecordWriter(GroupConsumer[RequestOutcome]):
         claim_idle_s: float = 30.0,
         batch: int = 100,
         block_s: float = 1.0,
+        linger_s: float = 0.0,
     ):
         super().__init__(
             redis,
@@ -61,6 +62,7 @@ class RecordWriter(GroupConsumer[RequestOutcome]):
             claim_idle_s=claim_idle_s,
             batch=batch,
             block_s=block_s,
+            linger_s=linger_s,
         )
         self.written = 0  # records this writer changed
 
