@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 import weakref
@@ -32,6 +33,8 @@ from redis.exceptions import RedisError
 from gpu_workers.protocol import HEARTBEAT_TTL_S, STREAM_FIELD, STREAM_TTL_S, Event, cancel_key, stream_key
 from tessera import routing
 from tessera.errors import APIError
+
+log = logging.getLogger(__name__)
 
 BLOCK_MS = 500  # how long one XREAD waits; bounds how late a deadline or a dead worker is noticed
 # Worker error codes that mean the request itself can never be served; every other code is a server fault.
@@ -186,7 +189,9 @@ class StreamHub:
                 self._reading = set(streams)
                 try:
                     reply = await self.redis.xread(streams, block=self.block_ms, count=self.count)
-                except RedisError as e:
+                except Exception as e:  # Redis away, or anything else: no reader may wait on a dead hub
+                    if not isinstance(e, RedisError):
+                        log.exception("the stream hub's read failed")
                     error = HubReadFailed(str(e))
                     for sub in list(self._subs.values()):
                         sub._fail(error)
