@@ -33,7 +33,13 @@ def test_the_bench_seeds_a_consistent_ledger_and_charges_every_event(postgres_ad
     assert 0 < report["seeded"]["rollup_rows"] <= 3000
     # bench-0 holds about a quarter of three months: some hundreds of rows in the month, all reconciled.
     assert report["reconcile"]["ok"] and 100 < report["reconcile"]["tenant_rows_in_month"] < 600
-    assert set(report["routes"]) == {"usage_month_by_day", "usage_requests_page", "invoice_draft", "healthz"}
+    assert set(report["routes"]) == {
+        "usage_month_by_day",
+        "usage_requests_page",
+        "invoice_draft",
+        "healthz",
+        "metrics",
+    }
     for route in report["routes"].values():
         assert 0 < route["seeded"]["p50_ms"] <= route["seeded"]["p95_ms"] <= route["seeded"]["max_ms"]
     assert set(report["ingestion"]) == {"50", "300"}  # measure() raises unless each charged all 300

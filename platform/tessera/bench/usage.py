@@ -4,7 +4,8 @@ In a scratch database of its own (created on the given server, dropped after), i
 routes of a real ``tessera api`` process on an empty ledger (the baseline), then seeds ``rows`` ledger rows
 and their rollups in the server (three months, ``tenants`` tenants, the first of them with a quarter of the
 rows), and times the same routes again: ``GET /v1/usage`` for a month grouped by day, the first page of
-``/v1/usage/requests`` and the month's draft invoice. Last, ingestion: outcome events put on a Redis Stream
+``/v1/usage/requests``, the month's draft invoice and ``/metrics`` (every tenant's usage counters, summed from
+the rollups at each scrape). Last, ingestion: outcome events put on a Redis Stream
 in the gateway's format are charged by a ``BillingConsumer`` through the real ledger insert path, events/s.
 """
 
@@ -86,6 +87,7 @@ def measure(
 
     from gpu_workers.protocol import connect_redis
     from tessera import db, tenancy
+    from tessera.models import SCOPE_ADMIN
 
     redis_url = redis_url or os.environ.get("TESSERA_REDIS_URL") or "redis://127.0.0.1:6379/0"
     client = connect_redis(redis_url, socket_connect_timeout=2)
@@ -102,14 +104,16 @@ def measure(
             tenant = tenancy.create_tenant(session, "bench-0")
             ids[0] = tenant.id
             _, key = tenancy.create_key(session, "bench-0")
+            tenancy.create_tenant(session, "bench-ops")
+            _, admin_key = tenancy.create_key(session, "bench-ops", scopes=(SCOPE_ADMIN,))
         with serving(url, redis_url) as base:
-            baseline = time_routes(base, key, requests)
+            baseline = time_routes(base, key, requests, admin_key)
             advance()
             started = time.perf_counter()
             seeded = seed(engine, ids, rows)
             seed_s = time.perf_counter() - started
             advance()
-            scaled = time_routes(base, key, requests)
+            scaled = time_routes(base, key, requests, admin_key)
             advance()
         with sessions() as session:
             import billing
@@ -189,8 +193,9 @@ def serving(database_url: str, redis_url: str) -> Iterator[str]:
             _stop([api])
 
 
-def time_routes(base: str, key: str, requests: int) -> dict[str, dict[str, float]]:
-    """p50 / p95 / max latency of each route over ``requests`` sequential calls (after 10 unmeasured)."""
+def time_routes(base: str, key: str, requests: int, admin_key: str) -> dict[str, dict[str, float]]:
+    """p50 / p95 / max latency of each route over ``requests`` sequential calls (after 10 unmeasured);
+    ``/metrics`` (its usage counters summed from every tenant's rollups) with the admin key."""
     import httpx
 
     first, last = f"{MEASURED}-01", f"{MEASURED}-30"
@@ -199,15 +204,17 @@ def time_routes(base: str, key: str, requests: int) -> dict[str, dict[str, float
         "usage_requests_page": ("/v1/usage/requests", {"start": first, "end": last, "limit": 100}),
         "invoice_draft": (f"/v1/invoices/{MEASURED}", {}),
         "healthz": ("/healthz", {}),
+        "metrics": ("/metrics", {}),
     }
     headers = {"Authorization": f"Bearer {key}"}
+    admin = {"Authorization": f"Bearer {admin_key}"}
     out = {}
     with httpx.Client(base_url=base, headers=headers, timeout=30) as client:
         for name, (path, params) in routes.items():
             latencies = []
             for n in range(10 + requests):
                 started = time.perf_counter()
-                response = client.get(path, params=params)
+                response = client.get(path, params=params, headers=admin if name == "metrics" else None)
                 elapsed = time.perf_counter() - started
                 if response.status_code not in (200, 404):  # 404: no invoice yet, on the empty ledger
                     raise BenchError(f"GET {path} answered {response.status_code}: {response.text[:300]}")
