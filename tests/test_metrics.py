@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import select
+from sqlalchemy import select, text
 from test_budgets import REDIS_URL, auth, full_output
 from test_budgets import gw as gw
 from test_budgets import stack as stack
@@ -185,6 +185,25 @@ def test_the_usage_counters_count_rows_committed_by_a_process_that_died_before_m
     assert value(samples, "tessera_requests_total", model=model, status="cancelled") == 1
     # Only the consumer that inserted a row observes its timings: these rows moved no histogram.
     assert value(samples, "tessera_request_duration_seconds_count", model=model) == 0
+
+
+def test_metrics_is_a_503_saying_why_while_the_usage_counters_cannot_be_read(gw):
+    # The database refuses the query (its outcome counts table is gone for a moment): the scrape fails
+    # with our error body instead of a 500 or a page without the usage counters.
+    with gw.sessions() as session:
+        session.execute(text("ALTER TABLE billing_outcomes RENAME TO billing_outcomes_away"))
+        session.commit()
+    try:
+        response = httpx.get(f"{gw.base}/metrics", headers=auth(gw.admin_key))
+    finally:
+        with gw.sessions() as session:
+            session.execute(text("ALTER TABLE billing_outcomes_away RENAME TO billing_outcomes"))
+            session.commit()
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "database_unavailable" and "usage counters" in error["message"]
+    assert response.headers["retry-after"] == "5"
+    assert httpx.get(f"{gw.base}/metrics", headers=auth(gw.admin_key)).status_code == 200
 
 
 _CHILD = textwrap.dedent(

@@ -6,12 +6,14 @@ Torch-free by design: from gpu_workers it imports only ``protocol``, ``tokenizer
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from billing import BillingConsumer
@@ -22,10 +24,13 @@ from tessera.api import admin, errors, health, inference, invoices, usage, web, 
 from tessera.api.catalog import Catalog
 from tessera.api.deps import AdminCaller
 from tessera.auth import KeyVersion
+from tessera.errors import APIError
 from tessera.quota_config import QuotaLookup
 from tessera.quotas import Quotas
 from tessera.records import Recorder, RecordWriter
 from tessera.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -111,8 +116,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # --- Prometheus (budgets-metrics) ---
     @app.get("/metrics", response_class=PlainTextResponse, tags=["metrics"])
     def prometheus_metrics(caller: AdminCaller) -> PlainTextResponse:
-        """Prometheus' text format; admin keys only, since the labels name tenants."""
-        body, content_type = billing_metrics.exposition(sessions)
+        """Prometheus' text format; admin keys only, since the labels name tenants. 503 when the database
+        cannot be read: the usage counters come from it, and a scrape without them must fail, not drop them."""
+        try:
+            body, content_type = billing_metrics.exposition(sessions)
+        except SQLAlchemyError as exc:
+            log.warning("GET /metrics: cannot read the usage counters: %s", type(exc).__name__)
+            raise APIError(
+                503,
+                "the database cannot be read, so the usage counters are unknown; retry shortly",
+                "database_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
         return PlainTextResponse(body, media_type=content_type)
 
     return app
