@@ -130,7 +130,5 @@ def exposition(sessions: sessionmaker[Session] | None = None) -> tuple[bytes, st
         MultiProcessCollector(observed)
     body = generate_latest(observed)
     if sessions is not None:
-        ledger = CollectorRegistry(auto_describe=False)
-        ledger.register(LedgerCollector(sessions))
-        body = generate_latest(ledger) + body
+        body = generate_latest(LedgerCollector(sessions)) + body  # anything with collect() will do
     return body, CONTENT_TYPE_LATEST

@@ -152,7 +152,7 @@ class StreamHub:
         self._wake_id = b"0-0"
         self._subs: dict[bytes, Subscription] = {}
         self._task: asyncio.Task[None] | None = None
-        self._reading: set[bytes] = set()  # the keys of the XREAD in flight
+        self._reading: dict[bytes, bytes] = {}  # the streams of the XREAD in flight (key -> last id)
 
     def subscribe(self, key: str | bytes, last_id: bytes = b"0-0") -> Subscription:
         key = key.encode() if isinstance(key, str) else key
@@ -169,10 +169,10 @@ class StreamHub:
         """Make sure a read covers ``sub``: start the reading task, or wake the one blocked without it."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._reading = set()
+            self._reading = {}
             self._task = loop.create_task(self._run(), name="tessera-stream-hub")
         elif sub.key not in self._reading and self._reading:
-            self._reading.clear()  # one wake per blocked read is enough
+            self._reading = {}  # one wake per blocked read is enough
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.xadd(self.wake_key, {b"w": b"1"}, maxlen=1, approximate=False)
@@ -186,7 +186,7 @@ class StreamHub:
             while self._subs:
                 streams = {self.wake_key: self._wake_id}
                 streams.update((key, sub.last_id) for key, sub in self._subs.items())
-                self._reading = set(streams)
+                self._reading = streams
                 try:
                     reply = await self.redis.xread(streams, block=self.block_ms, count=self.count)
                 except Exception as e:  # Redis away, or anything else: no reader may wait on a dead hub
@@ -198,7 +198,7 @@ class StreamHub:
                     self._subs.clear()
                     return
                 finally:
-                    self._reading = set()
+                    self._reading = {}
                 for key, entries in reply or ():
                     if key == self.wake_key:
                         self._wake_id = entries[-1][0]
