@@ -1,4 +1,5 @@
-"""Every Triton kernel equals its torch reference on small shapes, run by Triton's CPU interpreter.
+"""Every kernel equals its torch reference on small shapes: the Triton kernels run by Triton's CPU
+interpreter, the numba CPU decode attention compiled for this machine.
 
 Tolerances, and why:
 - fp32 activations: kernel and reference compute the same products in a different summation order, so
@@ -34,6 +35,7 @@ from gpu_workers.kernels.paged_attention import (  # noqa: E402
     paged_attention_reference,
     paged_decode_attention_reference,
 )
+from gpu_workers.kernels.paged_attention_cpu import paged_decode_attention_cpu  # noqa: E402
 from gpu_workers.kernels.paged_attention_triton import paged_decode_attention_triton  # noqa: E402
 from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference  # noqa: E402
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
@@ -102,13 +104,16 @@ def decode_case(heads, kv_heads, head_dim, page_size, lens, seed=0):
         (4, 4, 16, 8, 7),
     ],  # GQA, head_dim not a power of 2, MHA + window
 )
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, page_size, window, kv):
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("kernel", [paged_decode_attention_triton, paged_decode_attention_cpu])
+def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, page_size, window, kv, kernel):
     # Lengths 1 (one key), short, and long enough for several 32-position splits, in one launch.
     q, k, v, tables, lens, num_pages = decode_case(heads, kv_heads, head_dim, page_size, [1, 13, 150])
     scales = (None, None)
     if kv == "bf16":
         k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    elif kv == "fp32" and kernel is paged_decode_attention_triton:
+        pytest.skip("the Triton kernel reads BF16 or FP8 pages (a CUDA cache is never fp32)")
     else:
         # Per-page scales, as KVCache keeps them; quantised with torch (the interpreter's fp8 cast is buggy).
         scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
@@ -117,17 +122,32 @@ def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, pag
             for x, s in zip((k, v), scales, strict=True)
         )
     args = (k, v, tables, lens, page_size, head_dim**-0.5, window, *scales)
-    assert_matches(paged_decode_attention_triton(q, *args), paged_decode_attention_reference(q, *args), 1e-5)
+    assert_matches(kernel(q, *args), paged_decode_attention_reference(q, *args), 1e-5)
     qb = q.to(torch.bfloat16)  # bf16 queries: the output store is the one rounding that differs
-    assert_matches(
-        paged_decode_attention_triton(qb, *args), paged_decode_attention_reference(qb, *args), 2**-7
-    )
+    assert_matches(kernel(qb, *args), paged_decode_attention_reference(qb, *args), 2**-7)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
-def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_dtype):
+def test_cpu_decode_attention_reads_every_e4m3_value_exactly():
+    """One key per row: its V comes back as the reference dequantises it, for every finite e4m3 pattern."""
+    patterns = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    page_size, scales = 4, torch.tensor([2.0**-9, 1.0, 3.0, 2.0**9])  # one page per row, scale of 2^9 too
+    v = patterns.repeat(4 * page_size).view(4 * page_size, 1, -1)
+    k = torch.zeros_like(v)
+    q = torch.randn(4, 2, patterns.numel())
+    tables, lens = torch.arange(4, dtype=torch.int32)[:, None], torch.ones(4, dtype=torch.int32)
+    args = (k, v, tables, lens, page_size, 0.1, None, scales, scales)
+    out = paged_decode_attention_cpu(q, *args)
+    torch.testing.assert_close(out, paged_decode_attention_reference(q, *args), rtol=0, atol=0)
+    torch.testing.assert_close(out[2, 0], patterns.view(torch.float8_e4m3fn).float() * 3.0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("mode", ["triton", "auto"])  # auto on the CPU: the numba decode kernel
+def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_dtype, mode):
     """Decode rows through the kernel, prefill rows through kv.attention: the same output as the reference."""
-    monkeypatch.setenv("TESSERA_KERNELS", "triton")
+    if mode == "triton" and kv_dtype == torch.bfloat16:
+        pytest.skip("covered by the decode test above; the interpreter's bf16 stores truncate")
+    monkeypatch.setenv("TESSERA_KERNELS", mode)
     spec, page_size = KVSpec(num_layers=1, num_kv_heads=2, head_dim=16), 4
     cache = KVCache(spec, num_pages=24, page_size=page_size, dtype=kv_dtype)
     tables = [[3, 9, 1, 7], [0, 2], [5, 6, 4, 8, 10], [11]]
@@ -146,7 +166,14 @@ def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_d
     q = torch.randn(meta.num_tokens, 4, 16, generator=gen)
     k_slots, v_slots = cache.layer(0)
     args = (k_slots, v_slots, meta, 0.25, None, *cache.layer_scales(0))
+    calls = []
+    if mode == "auto":  # the dispatch, not only the kernel: count the CPU kernel's calls
+        import gpu_workers.kernels.paged_attention_cpu as cpu
+
+        kernel = cpu.paged_decode_attention_cpu
+        monkeypatch.setattr(cpu, "paged_decode_attention_cpu", lambda *a: calls.append(1) or kernel(*a))
     assert_matches(paged_attention(q, *args), paged_attention_reference(q, *args), 1e-5)
+    assert len(calls) == (mode == "auto")
 
 
 def test_kv_write_bf16_scatters_exactly():

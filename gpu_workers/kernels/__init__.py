@@ -1,9 +1,10 @@
-"""Triton kernels for decode, each beside the torch reference it is tested against.
+"""Kernels for decode, each beside the torch reference it is tested against.
 
-``name.py`` holds the reference and the function callers use; ``name_triton.py`` the kernel with the same
-signature, imported only when it runs. ``use_triton`` picks: kernels on CUDA tensors, references elsewhere.
+``name.py`` holds the reference and the function callers use; ``name_triton.py`` the Triton kernel with the
+same signature, imported only when it runs; ``name_cpu.py`` a numba kernel for the CPU where one pays.
+``use_triton`` picks the Triton kernels on CUDA tensors, ``use_cpu_kernels`` the numba ones on CPU tensors.
 ``TESSERA_KERNELS=reference`` forces the references everywhere; ``TESSERA_KERNELS=triton`` forces the
-kernels (on CPU that needs ``TRITON_INTERPRET=1``: how the tests run them).
+Triton kernels (on CPU that needs ``TRITON_INTERPRET=1``: how the tests run them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def use_triton(device: torch.device) -> bool:
             raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed: pip install triton")
         return True
     return device.type == "cuda" and find_spec("triton") is not None
+
+
+def use_cpu_kernels(device: torch.device) -> bool:
+    """Whether work on ``device`` runs the numba CPU kernels (``TESSERA_KERNELS=auto`` on a CPU tensor)."""
+    return device.type == "cpu" and kernel_mode() == "auto" and find_spec("numba") is not None
 
 
 def interpreted() -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_workers.formats.fp8 import dequantize_fp8_entry
-from gpu_workers.kernels import use_triton
+from gpu_workers.kernels import use_cpu_kernels, use_triton
 
 
 def paged_decode_attention_reference(
@@ -79,7 +79,17 @@ def paged_decode_attention(
         from gpu_workers.kernels.paged_attention_triton import paged_decode_attention_triton
 
         return paged_decode_attention_triton(*args)
+    if use_cpu_kernels(q.device) and _cpu_kernel_reads(k_slots, q):
+        from gpu_workers.kernels.paged_attention_cpu import paged_decode_attention_cpu
+
+        return paged_decode_attention_cpu(*args)
     return paged_decode_attention_reference(*args)
+
+
+def _cpu_kernel_reads(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
+    from gpu_workers.kernels.paged_attention_cpu import supports
+
+    return supports(k_slots, q)
 
 
 def paged_attention_reference(
@@ -173,10 +183,12 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_attention_reference`` with its decode rows on the Triton kernel where kernels run."""
-    # The decode kernel reads whole-entry FP8 or unquantised slots; an entry with a bf16 tail (wider
+    """``paged_attention_reference`` with its decode rows on a kernel where kernels run: Triton on CUDA,
+    numba on the CPU."""
+    # The decode kernels read whole-entry FP8 or unquantised slots; an entry with a bf16 tail (wider
     # slots than the queries) stays on the reference.
-    if not use_triton(q.device) or meta.decode is None or k_slots.shape[-1] != q.shape[-1]:
+    kernel = use_triton(q.device) or (use_cpu_kernels(q.device) and _cpu_kernel_reads(k_slots, q))
+    if not kernel or meta.decode is None or k_slots.shape[-1] != q.shape[-1]:
         return paged_attention_reference(q, k_slots, v_slots, meta, scale, sliding_window, k_scale, v_scale)
     decode = meta.decode
     out = paged_attention_reference(
