@@ -1,13 +1,15 @@
-"""Paged decode attention on the CPU: a numba kernel that reads each row's pages where they lie.
+"""Paged decode attention over FP8 pages on the CPU: a numba kernel that reads each row's pages in place.
 
-The torch reference gathers every page a group of rows reads into a padded copy (one per layer, for K and
-V), then runs SDPA over it with a mask; on a CPU those copies and SDPA's one-query calls cost more than the
-step's linears. Here each (row, KV head) walks its own page table: a page is widened once into an fp32
-tile (bf16: its bits into fp32's high half; FP8: e4m3's fields into bf16's, exact, then ×2^120 back to their
-value; fp32 as is), the query heads sharing that KV head score against it, softmax in fp32 over the row's
-own positions (no padding, no mask), then the V pages the same way. FP8 page scales multiply a page's scores
-and its probabilities, as the Triton kernel does: two scalar multiplies per position, not per element.
+The torch reference gathers every page a group of rows reads into a padded copy per layer, for K and V, and
+must decode every gathered e4m3 value before SDPA can read it; on a CPU that decode costs as much as the
+attention. Here each (row, KV head) walks its own page table: a page's e4m3 values are widened once into
+an fp32 tile (their fields moved into bf16's, exact, then ×2^120 back to their value), the query heads
+sharing that KV head score against it, softmax in fp32 over the row's own positions (no padding, no
+mask), then the V pages the same way. The page scales multiply a page's scores and its probabilities, as
+the Triton kernel does: two scalar multiplies per position, not per element.
 
+BF16 and fp32 pages stay on the reference: gathering them is a copy, and SDPA over the copy is as fast as
+this kernel at one thread and faster at two (BENCHMARKS.md, "Paged decode attention on the CPU").
 Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
 returned in q's dtype). Compiled on first use and cached on disk by numba.
 """
@@ -21,41 +23,35 @@ import torch
 from gpu_workers.formats.fp8 import BF16_FIELDS_OFFSET
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (masked scores start at -inf).
-_JIT = {"nogil": True, "fastmath": {"reassoc", "contract", "nsz", "arcp"}, "boundscheck": False, "cache": True}
+_JIT = {
+    "nogil": True,
+    "fastmath": {"reassoc", "contract", "nsz", "arcp"},
+    "boundscheck": False,
+    "cache": True,
+}
 _BF16_FIELDS_OFFSET = np.float32(BF16_FIELDS_OFFSET)
 
 
-_FP32, _BF16, _E4M3 = 0, 1, 2  # what a cache slot holds
-
-
 @numba.njit(**_JIT)
-def _widen(slots, base, head, start, end, fmt, tile, bits):
-    """Slots ``base + start .. base + end`` of one KV head into rows ``start .. end`` of the fp32 tile."""
+def _widen(slots, base, head, start, end, tile, bits):
+    """e4m3 slots ``base + start .. base + end`` of one KV head into rows ``start .. end`` of the fp32 tile."""
     dim = tile.shape[1]
     for o in range(start, end):
         src = slots[base + o, head]
-        if fmt == _FP32:
-            for d in range(dim):
-                tile[o, d] = src[d]
-        elif fmt == _BF16:
-            for d in range(dim):
-                bits[o, d] = np.uint32(src[d]) << 16
-        else:
-            # e4m3's exponent and mantissa land in bf16's low exponent and high mantissa bits, its sign in
-            # bf16's: 2^120 below the e4m3 value (subnormals included), which one multiply restores exactly.
-            for d in range(dim):
-                b = np.uint32(src[d])
-                bits[o, d] = (((b & 0x7F) << 4) | ((b & 0x80) << 8)) << 16
-            for d in range(dim):
-                tile[o, d] *= _BF16_FIELDS_OFFSET
+        # e4m3's exponent and mantissa land in bf16's low exponent and high mantissa bits, its sign in
+        # bf16's: 2^120 below the e4m3 value (subnormals included), which one multiply restores exactly.
+        for d in range(dim):
+            b = np.uint32(src[d])
+            bits[o, d] = (((b & 0x7F) << 4) | ((b & 0x80) << 8)) << 16
+        for d in range(dim):
+            tile[o, d] *= _BF16_FIELDS_OFFSET
 
 
 @numba.njit(**_JIT)
-def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, fmt, out):
+def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, out):
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    scaled = k_scale.shape[0] > 0
     probs = np.empty((group, tables.shape[1] * page_size), np.float32)
     tile = np.empty((page_size, dim), np.float32)
     bits = tile.view(np.uint32)
@@ -75,8 +71,8 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, f
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
-                _widen(k, page * page_size, h, start, end, fmt, tile, bits)
-                factor = k_scale[page] if scaled else np.float32(1.0)
+                _widen(k, page * page_size, h, start, end, tile, bits)
+                factor = k_scale[page]
                 for o in range(start, end):
                     for j in range(group):
                         s = np.float32(0.0)
@@ -97,8 +93,8 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, f
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
-                _widen(v, page * page_size, h, start, end, fmt, tile, bits)
-                factor = v_scale[page] if scaled else np.float32(1.0)
+                _widen(v, page * page_size, h, start, end, tile, bits)
+                factor = v_scale[page]
                 for o in range(start, end):
                     for j in range(group):
                         w = probs[j, t0 + o - lo] * factor
@@ -109,18 +105,9 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, f
                     out[b, h * group + j, d] = acc[j, d]
 
 
-# torch dtype of the slots -> (format, numpy dtype of the same bits)
-_FORMATS = {
-    torch.float32: (_FP32, np.float32),
-    torch.bfloat16: (_BF16, np.uint16),
-    torch.uint8: (_E4M3, np.uint8),
-}
-_NO_SCALES = np.empty(0, np.float32)
-
-
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether the kernel reads this cache: fp32, bf16 or whole-entry FP8 slots as wide as the queries."""
-    return k_slots.device.type == "cpu" and k_slots.dtype in _FORMATS and k_slots.shape[-1] == q.shape[-1]
+    """Whether the kernel reads this cache: whole-entry FP8 slots (uint8 bits) as wide as the queries."""
+    return k_slots.device.type == "cpu" and k_slots.dtype == torch.uint8 and k_slots.shape[-1] == q.shape[-1]
 
 
 def paged_decode_attention_cpu(
@@ -135,28 +122,22 @@ def paged_decode_attention_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_decode_attention_reference`` on the CPU without gathered copies: [B, heads, dim] in q's dtype."""
-    fmt, stored = _FORMATS[k_slots.dtype]
+    """``paged_decode_attention_reference`` over FP8 pages without gathered copies: [B, heads, dim] in q's
+    dtype. ``k_scale`` and ``v_scale`` are the layer's per-page scales [pages]."""
+    if k_scale is None or v_scale is None:
+        raise ValueError("FP8 pages need their per-page k_scale and v_scale")
     out = torch.empty(q.shape, dtype=torch.float32)
     _decode(
         q.detach().float().contiguous().numpy(),
-        _as_numpy(k_slots, stored),
-        _as_numpy(v_slots, stored),
+        k_slots.detach().contiguous().numpy(),
+        v_slots.detach().contiguous().numpy(),
         block_tables.contiguous().numpy(),
         seq_lens.contiguous().numpy(),
         page_size,
         np.float32(scale),
         sliding_window or 0,
-        _NO_SCALES if k_scale is None else k_scale.float().contiguous().numpy(),
-        _NO_SCALES if v_scale is None else v_scale.float().contiguous().numpy(),
-        fmt,
+        k_scale.detach().float().contiguous().numpy(),
+        v_scale.detach().float().contiguous().numpy(),
         out.numpy(),
     )
     return out.to(q.dtype)
-
-
-def _as_numpy(slots: torch.Tensor, stored: type) -> np.ndarray:
-    slots = slots.detach().contiguous()
-    if slots.dtype == torch.bfloat16:  # numpy has no bf16: the same bits as uint16
-        slots = slots.view(torch.int16)
-    return slots.numpy().view(stored)
