@@ -252,6 +252,27 @@ def test_step_writer_writes_every_request_and_reads_every_cancel_key_in_one_roun
     assert tokens_of(read_stream(client, requests[1].request_id, stop_after_tokens=2)) == [1, 11, 99]
 
 
+def script_exists_calls(client) -> int:
+    return client.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
+
+
+def test_step_writer_sends_no_script_check_per_step_and_reloads_a_flushed_script(client, local):
+    spec, _ = local
+    writer = StepWriter(client, lambda request_id: None)
+    requests = [streamed(client, writer, spec) for _ in range(3)]
+    writer.write([(r, step_event(r, 1)) for r in requests])  # loads the script where the server lacks it
+    checks = script_exists_calls(client)
+    for token in range(2, 6):
+        writer.write([(r, step_event(r, token)) for r in requests])
+    # One round trip per step: no SCRIPT EXISTS ahead of each pipeline (redis-py's Script sends one).
+    assert script_exists_calls(client) == checks and writer.round_trips == 5
+    client.script_flush()  # what a restarted Redis holds: no scripts
+    writer.write([(r, step_event(r, 6)) for r in requests])
+    for r in requests:
+        assert tokens_of(read_stream(client, r.request_id, stop_after_tokens=6)) == [1, 2, 3, 4, 5, 6]
+        assert r.error is None and not r.done.is_set()
+
+
 def test_step_writer_stops_only_the_request_whose_lease_was_taken_over(client, local):
     spec, _ = local
     aborted: list[str] = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gpu_workers.protocol import (
     HEARTBEAT_TTL_S,
@@ -123,15 +123,29 @@ class RequestStream:
             self.check_written(self.publish_in(self.client, *events))
 
     def publish_in(self, client: redis.Redis | redis.client.Pipeline, *events: Event) -> Any:
-        """Queue the append on ``client`` (a pipeline: its reply goes to ``check_written``)."""
+        """Queue the append on ``client`` (a pipeline: its reply goes to ``check_written``).
+
+        Into a pipeline the script goes as a bare EVALSHA: redis-py's Script would make the pipeline ask
+        SCRIPT EXISTS first, one more round trip per engine step. A server without the script answers
+        NOSCRIPT; ``StepWriter`` then loads it and sends those appends again."""
         for event in events:
             event.worker_id = self.owner
-        args = [self.owner, STREAM_MAXLEN, STREAM_TTL_S, LEASE_TTL_MS, STREAM_FIELD]
-        return self._publish(
-            keys=[self._lease, stream_key(self.request_id)],
-            args=args + [e.to_json() for e in events],
-            client=client,
-        )
+        keys = [self._lease, stream_key(self.request_id)]
+        args = [
+            self.owner,
+            STREAM_MAXLEN,
+            STREAM_TTL_S,
+            LEASE_TTL_MS,
+            STREAM_FIELD,
+            *(e.to_json() for e in events),
+        ]
+        if isinstance(client, redis.client.Pipeline):
+            return client.evalsha(self._publish.sha, len(keys), *keys, *args)
+        return self._publish(keys=keys, args=args, client=client)
+
+    def load_scripts(self) -> None:
+        """Load the append script into the server (after a NOSCRIPT reply: a restarted or flushed Redis)."""
+        self.client.script_load(_PUBLISH)
 
     def check_written(self, reply: Any) -> None:
         if isinstance(reply, Exception):
@@ -242,27 +256,30 @@ class StepWriter:
         with self._lock:
             live = [r for r in self._live.values() if not r.done.is_set()]
         pipe = self.client.pipeline(transaction=False)
-        writes: list[Streamed] = []
+        writes: list[tuple[Streamed, Event]] = []
         for request, events in pending.items():
             token_ids = [t for e in events for t in e.token_ids]
             text = "".join(e.text for e in events)
             request.completion_tokens += len(token_ids)
             if token_ids or text:
-                request.stream.publish_in(pipe, Event(kind="token", token_ids=token_ids, text=text))
-                writes.append(request)
+                entry = Event(kind="token", token_ids=token_ids, text=text)
+                request.stream.publish_in(pipe, entry)
+                writes.append((request, entry))
         if live:
             pipe.mget([cancel_key(r.request_id) for r in live])
         if writes or live:
             try:
                 replies = pipe.execute(raise_on_error=False)
+                if any(isinstance(reply, NoScriptError) for reply in replies[: len(writes)]):
+                    replies[: len(writes)] = self._write_again(writes, replies)
             except RedisError as exc:
-                for request in writes:  # their tokens are not on the stream: they cannot go on
+                for request, _ in writes:  # their tokens are not on the stream: they cannot go on
                     self._fail(request, exc)
                 replies = []
             else:
                 self.round_trips += 1
                 self.entries_written += len(writes)
-            for request, reply in zip(writes, replies, strict=False):
+            for (request, _), reply in zip(writes, replies, strict=False):
                 try:
                     request.stream.check_written(reply)
                 except (LeaseLost, RedisError) as exc:
@@ -281,6 +298,19 @@ class StepWriter:
             if final is not None and not request.done.is_set():
                 request.final = final
                 request.done.set()
+
+    def _write_again(self, writes: list[tuple[Streamed, Event]], replies: list[Any]) -> list[Any]:
+        """The server had no append script (NOSCRIPT: none of those appends ran): load it, send them again."""
+        writes[0][0].stream.load_scripts()
+        pipe = self.client.pipeline(transaction=False)
+        again = [i for i, reply in enumerate(replies[: len(writes)]) if isinstance(reply, NoScriptError)]
+        for i in again:
+            request, entry = writes[i]
+            request.stream.publish_in(pipe, entry)
+        replies = list(replies[: len(writes)])
+        for i, reply in zip(again, pipe.execute(raise_on_error=False), strict=True):
+            replies[i] = reply
+        return replies
 
     def _stop(self, request: Streamed) -> None:
         if not request.stopping:
