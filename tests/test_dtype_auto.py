@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.engine.dtype import BF16_TOLERANCE, cpu_bf16_slowdown, resolve_dtype
+from gpu_workers.engine.dtype import BF16_TOLERANCE, cpu_bf16_slowdown, cpu_dtype, resolve_dtype
 from gpu_workers.pools.worker import engine_config
 from gpu_workers.protocol import DeploymentSpec
 
@@ -22,11 +22,30 @@ def test_auto_is_the_default_of_engines_and_deployments():
     assert engine_config(DeploymentSpec(name="m", checkpoint="/c"), "decode", b"s").dtype == "auto"
 
 
-def test_auto_on_cpu_follows_the_measured_bf16_speed():
-    choice = resolve_dtype("auto", "cpu")
-    fast = cpu_bf16_slowdown() <= BF16_TOLERANCE
-    assert choice.name == ("bfloat16" if fast else "float32")
-    assert "bf16 matmul" in choice.reason
+def test_auto_on_x86_follows_the_bf16_flags_and_never_a_timing():
+    def timing():
+        raise AssertionError("an x86 CPU's flags decide; a timing depends on the load of the moment")
+
+    x86 = {"architecture": "x86_64", "avx512_bf16": False, "amx_bf16": False}
+    assert cpu_dtype(x86, timing).name == "float32"
+    assert cpu_dtype({**x86, "avx512_bf16": True}, timing).name == "bfloat16"
+    assert cpu_dtype({**x86, "amx_bf16": True}, timing).name == "bfloat16"
+    assert "amx_bf16" in cpu_dtype({**x86, "amx_bf16": True}, timing).reason
+
+
+def test_auto_elsewhere_follows_the_measured_bf16_speed():
+    arm = {"architecture": "aarch64"}
+    assert cpu_dtype(arm, lambda: BF16_TOLERANCE * 0.5).name == "bfloat16"
+    slow = cpu_dtype(arm, lambda: BF16_TOLERANCE * 4)
+    assert slow.name == "float32" and "bf16 matmul takes 5.0x" in slow.reason
+
+
+def test_auto_on_this_cpu_is_what_its_capabilities_say():
+    capabilities = torch.cpu.get_capabilities()
+    assert resolve_dtype("auto", "cpu") == cpu_dtype(capabilities, cpu_bf16_slowdown)
+    if capabilities.get("architecture") == "x86_64":
+        fast = capabilities.get("avx512_bf16") or capabilities.get("amx_bf16")
+        assert resolve_dtype("auto", "cpu").name == ("bfloat16" if fast else "float32")
 
 
 def test_auto_on_cuda_is_bf16_and_an_explicit_dtype_is_kept():

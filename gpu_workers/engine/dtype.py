@@ -1,14 +1,17 @@
 """The compute dtype an engine runs in: ``dtype="auto"`` resolves to bf16 where bf16 is fast, else fp32.
 
-CUDA runs bf16. A CPU without bf16 matrix units (AMX, AVX512-BF16) multiplies bf16 several times slower
-than fp32, so there a bf16 checkpoint is upcast at load and computed in fp32. Which case a CPU is in is
-measured once per process: a small matmul timed in both dtypes, interleaved, best of a few rounds.
+CUDA runs bf16. A CPU without bf16 matrix instructions multiplies bf16 several times slower than fp32
+(oneDNN emulates it), so there a bf16 checkpoint is upcast at load and computed in fp32. On x86 the CPU's
+own feature flags say which case it is in (AVX512-BF16 or AMX-BF16: a bf16 matmul took 0.3-0.45x fp32's
+time on three such VMs; without them 4.5-10x), so every process on a host decides alike whatever else
+the host is doing. Elsewhere a small matmul is timed in both dtypes, once per process.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # bf16 counts as fast when it is at most this much slower than fp32 (it halves weight and KV bytes).
 BF16_TOLERANCE = 1.25
 _PROBE_SHAPE = (64, 256, 704)  # [M, K] x [K, N]: the scale of the decode GEMMs this matters for
+_X86_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # the instructions oneDNN's fast bf16 GEMMs need
 
 
 @dataclass(frozen=True)
@@ -30,12 +34,30 @@ class DtypeChoice:
 
 
 def resolve_dtype(requested: str, device: str) -> DtypeChoice:
-    """``requested`` as given, or for "auto" the fastest of bf16 and fp32 on ``device``."""
+    """``requested`` as given, or for "auto" the faster of bf16 and fp32 on ``device``."""
     if requested != "auto":
         return DtypeChoice(requested, "requested")
     if torch.device(device).type != "cpu":
         return DtypeChoice("bfloat16", f"auto: bf16 on {torch.device(device).type}")
-    ratio = cpu_bf16_slowdown()
+    return cpu_dtype(torch.cpu.get_capabilities(), cpu_bf16_slowdown)
+
+
+def cpu_dtype(capabilities: Mapping[str, object], measure: Callable[[], float]) -> DtypeChoice:
+    """bf16 or fp32 for a CPU with these ``torch.cpu.get_capabilities()``: from its flags on x86, where a
+    timing would depend on the load of the moment (two workers of one deployment starting together once
+    chose different dtypes, and so different greedy outputs), else from ``measure()`` (bf16's slowdown)."""
+    if capabilities.get("architecture") in ("x86_64", "x86"):
+        present = [flag for flag in _X86_BF16_FLAGS if capabilities.get(flag)]
+        if present:
+            return DtypeChoice(
+                "bfloat16", f"auto: this CPU has {' and '.join(present)} (bf16 matrix instructions)"
+            )
+        return DtypeChoice(
+            "float32",
+            "auto: this CPU has neither amx_bf16 nor avx512_bf16, so bf16 matmuls are emulated (several times "
+            "slower than fp32) and weights are upcast",
+        )
+    ratio = measure()
     if ratio <= BF16_TOLERANCE:
         return DtypeChoice("bfloat16", f"auto: a bf16 matmul takes {ratio:.2f}x fp32's time on this CPU")
     return DtypeChoice(
