@@ -191,19 +191,12 @@ def paged_attention(
     if not kernel or meta.decode is None or k_slots.shape[-1] != q.shape[-1]:
         return paged_attention_reference(q, k_slots, v_slots, meta, scale, sliding_window, k_scale, v_scale)
     decode = meta.decode
+    tables, lens = decode.int32_tables()
+    args = (k_slots, v_slots, tables, lens, meta.page_size, scale, sliding_window, k_scale, v_scale)
+    if not meta.prefill:  # a decode-only step: one row per token, in order
+        return paged_decode_attention(q, *args)
     out = paged_attention_reference(
         q, k_slots, v_slots, replace(meta, decode=None), scale, sliding_window, k_scale, v_scale
     )
-    out[decode.rows] = paged_decode_attention(
-        q[decode.rows],
-        k_slots,
-        v_slots,
-        decode.block_tables.to(torch.int32),
-        decode.seq_lens.to(torch.int32),
-        meta.page_size,
-        scale,
-        sliding_window,
-        k_scale,
-        v_scale,
-    )
+    out[decode.rows] = paged_decode_attention(q[decode.rows], *args)
     return out

@@ -30,7 +30,7 @@ class DecodeRows:
     block_tables: torch.Tensor  # [B, P] page ids, padded with the row's last page
     seq_lens: torch.Tensor  # [B] tokens each row attends to (its own included)
     groups: list[DecodeRows] = field(default_factory=list)  # rows of similar length, each padded apart
-    _masks: dict = field(default_factory=dict, repr=False)
+    _derived: dict = field(default_factory=dict, repr=False)  # masks and int32 tables, built on first use
 
     @classmethod
     def build(cls, rows: torch.Tensor, tables: torch.Tensor, lens: list[int], page_size: int) -> DecodeRows:
@@ -56,12 +56,22 @@ class DecodeRows:
                     whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
         return whole
 
+    def int32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block_tables`` and ``seq_lens`` as int32, what the decode kernels read; built once per step."""
+        cached = self._derived.get("int32")
+        if cached is None:
+            cached = self._derived["int32"] = (
+                self.block_tables.to(torch.int32),
+                self.seq_lens.to(torch.int32),
+            )
+        return cached
+
     def mask(self, page_size: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, 1, P * page_size] additive mask in ``dtype`` (0 where a row attends, -inf where not) over
         the gathered positions; built once per step. SDPA takes it as is, where a bool mask would be
         converted on every call of every layer."""
         key = (sliding_window, dtype)
-        mask = self._masks.get(key)
+        mask = self._derived.get(key)
         if mask is None:
             positions = torch.arange(self.block_tables.shape[1] * page_size, device=self.seq_lens.device)
             lens = self.seq_lens[:, None]
@@ -71,7 +81,7 @@ class DecodeRows:
             mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(
                 ~valid, float("-inf")
             )
-            mask = self._masks[key] = mask[:, None, None, :]
+            mask = self._derived[key] = mask[:, None, None, :]
         return mask
 
 
