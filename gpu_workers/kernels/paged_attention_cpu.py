@@ -1,113 +1,190 @@
-"""Paged decode attention over FP8 pages on the CPU: a numba kernel that reads each row's pages in place.
+"""Paged decode attention on the CPU: a numba kernel that reads each row's pages in place.
 
-The torch reference gathers every page a group of rows reads into a padded copy per layer, for K and V, and
-must decode every gathered e4m3 value before SDPA can read it; on a CPU that decode costs as much as the
-attention. Here each (row, KV head) walks its own page table: a page's e4m3 values are widened once into
-an fp32 tile (their fields moved into bf16's, exact, then ×2^120 back to their value), the query heads
-sharing that KV head score against it, softmax in fp32 over the row's own positions (no padding, no
-mask), then the V pages the same way. The page scales multiply a page's scores and its probabilities, as
-the Triton kernel does: two scalar multiplies per position, not per element.
+The torch reference gathers every page a group of rows reads into a padded copy per layer, for K and V
+(decoding every gathered e4m3 value first), then runs SDPA over the copy. Here each (row, query head)
+walks its own page table and reads the stored values where they lie: FP8 (e4m3 bits, their fields moved
+into bf16's: exact, 2^120 below their value, given back outside the loops), BF16 (bits shifted into
+fp32's) or fp32, widened inside the dot products rather than into a tile. Scores for four positions are summed at once (four
+independent reductions), softmax in fp32 over the row's own positions with a vectorisable exp, then V
+four positions at a time. The page scales multiply a page's scores and its probabilities, as the Triton
+kernel does: scalar multiplies per position, not per element. No padding, no mask, no copies.
 
-BF16 and fp32 pages stay on the reference: gathering them is a copy, and SDPA over the copy is as fast as
-this kernel at one thread and faster at two (BENCHMARKS.md, "Paged decode attention on the CPU").
 Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
 returned in q's dtype). Compiled on first use and cached on disk by numba.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import intrinsic, overload
 
-from gpu_workers.formats.fp8 import BF16_FIELDS_OFFSET
-
-# Reassociation lets the dot products vectorise; no finite-math assumption (masked scores start at -inf).
+# Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
 _JIT = {
     "nogil": True,
     "fastmath": {"reassoc", "contract", "nsz", "arcp"},
     "boundscheck": False,
     "cache": True,
 }
-_BF16_FIELDS_OFFSET = np.float32(BF16_FIELDS_OFFSET)
+# FP8 values are read 2^120 below their value (their fields placed in bf16's). The kernel gives back
+# half of that on each side of a product (queries and probabilities, page factors and the output), so
+# that no intermediate overflows, and never inside the loops, where fastmath could move a multiply.
+_HALF_FP8_OFFSET = np.float32(2.0**60)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 in two parts: n * _LN2_HI is exact for |n| < 2^11
+_LN2_LO = np.float32(1.428606765330187e-06)
+_EXP_MIN = np.float32(-87.0)  # e^-87 is still a normal float32
+_INV_FACTORIAL = [np.float32(1.0 / f) for f in (2, 6, 24, 120, 720, 5040)]
+_C2, _C3, _C4, _C5, _C6, _C7 = _INV_FACTORIAL
+_STORED = {torch.uint8: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@intrinsic
+def _as_float32(typingctx, bits):
+    """The float32 whose bits are ``bits`` (a uint32)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return types.float32(types.uint32), codegen
+
+
+def _value(stored):
+    """The fp32 value of one stored cache element (typed by what the cache stores; see the overload)."""
+
+
+@overload(_value)
+def _value_of(stored):
+    if stored == types.uint8:  # e4m3 bits: fields into bf16's, 2^120 below the value
+        return lambda stored: _as_float32(
+            (((np.uint32(stored) & 0x7F) << 4) | ((np.uint32(stored) & 0x80) << 8)) << 16
+        )
+    if stored == types.uint16:  # bf16 bits are the high half of fp32's
+        return lambda stored: _as_float32(np.uint32(stored) << 16)
+    if stored == types.float32:
+        return lambda stored: stored
+    return None
 
 
 @numba.njit(**_JIT)
-def _widen(slots, base, head, start, end, tile, bits):
-    """e4m3 slots ``base + start .. base + end`` of one KV head into rows ``start .. end`` of the fp32 tile."""
-    dim = tile.shape[1]
-    for o in range(start, end):
-        src = slots[base + o, head]
-        # e4m3's exponent and mantissa land in bf16's low exponent and high mantissa bits, its sign in
-        # bf16's: 2^120 below the e4m3 value (subnormals included), which one multiply restores exactly.
-        for d in range(dim):
-            b = np.uint32(src[d])
-            bits[o, d] = (((b & 0x7F) << 4) | ((b & 0x80) << 8)) << 16
-        for d in range(dim):
-            tile[o, d] *= _BF16_FIELDS_OFFSET
+def _exp(x):
+    """e^x for x <= 0 (a softmax's shifted scores), vectorisable where ``np.exp`` calls libm per element:
+    e^r · 2^n with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-7 Taylor polynomial (within 5
+    float32 ulps of e^x); below e^-87 it returns e^-87, not 0."""
+    x = max(x, _EXP_MIN)
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = _C7 * r + _C6
+    p = p * r + _C5
+    p = p * r + _C4
+    p = p * r + _C3
+    p = p * r + _C2
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _as_float32(np.uint32(np.int32(n) + 127) << 23)
 
 
 @numba.njit(**_JIT)
-def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, out):
+def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, out):
     rows, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    probs = np.empty((group, tables.shape[1] * page_size), np.float32)
-    tile = np.empty((page_size, dim), np.float32)
-    bits = tile.view(np.uint32)
-    acc = np.empty((group, dim), np.float32)
-    qs = np.empty((group, dim), np.float32)
-    top = np.empty(group, np.float32)
+    group = heads // k.shape[1]
+    probs = np.empty((1, tables.shape[1] * page_size), np.float32)  # row 0: the row's positions from lo
+    acc = np.empty(dim, np.float32)
+    qs = np.empty(dim, np.float32)
     for b in range(rows):
         n = lens[b]
         lo = n - window if 0 < window < n else 0
         first, last = lo // page_size, (n + page_size - 1) // page_size
-        for h in range(kv_heads):
-            for j in range(group):
-                top[j] = -np.inf
-                for d in range(dim):
-                    acc[j, d] = 0.0
-                    qs[j, d] = q[b, h * group + j, d] * scale
+        m = n - lo
+        for hq in range(heads):
+            h = hq // group
+            for d in range(dim):
+                qs[d] = q[b, hq, d] * (scale * half_offset)
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
-                _widen(k, page * page_size, h, start, end, tile, bits)
-                factor = k_scale[page]
-                for o in range(start, end):
-                    for j in range(group):
-                        s = np.float32(0.0)
-                        for d in range(dim):
-                            s += qs[j, d] * tile[o, d]
-                        s *= factor
-                        probs[j, t0 + o - lo] = s
-                        top[j] = max(top[j], s)
-            for j in range(group):
-                total = np.float32(0.0)
-                for t in range(n - lo):
-                    e = np.exp(probs[j, t] - top[j])
-                    probs[j, t] = e
-                    total += e
-                inv = np.float32(1.0) / total
-                for t in range(n - lo):
-                    probs[j, t] *= inv
+                factor = k_scale[page] * half_offset
+                base = page * page_size
+                o = start
+                while o + 4 <= end:  # four independent sums: their reductions overlap, not queue
+                    s0 = np.float32(0.0)
+                    s1 = np.float32(0.0)
+                    s2 = np.float32(0.0)
+                    s3 = np.float32(0.0)
+                    for d in range(dim):
+                        x = qs[d]
+                        s0 += x * _value(k[base + o, h, d])
+                        s1 += x * _value(k[base + o + 1, h, d])
+                        s2 += x * _value(k[base + o + 2, h, d])
+                        s3 += x * _value(k[base + o + 3, h, d])
+                    t = t0 + o - lo
+                    probs[0, t] = s0 * factor
+                    probs[0, t + 1] = s1 * factor
+                    probs[0, t + 2] = s2 * factor
+                    probs[0, t + 3] = s3 * factor
+                    o += 4
+                for r in range(o, end):  # the page's last positions, one at a time
+                    s = np.float32(0.0)
+                    for d in range(dim):
+                        s += qs[d] * _value(k[base + r, h, d])
+                    probs[0, t0 + r - lo] = s * factor
+            top = probs[0, 0]
+            for t in range(1, m):
+                top = max(top, probs[0, t])
+            total = np.float32(0.0)
+            for t in range(m):
+                e = _exp(probs[0, t] - top)
+                probs[0, t] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for d in range(dim):
+                acc[d] = 0.0
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
-                _widen(v, page * page_size, h, start, end, tile, bits)
-                factor = v_scale[page]
-                for o in range(start, end):
-                    for j in range(group):
-                        w = probs[j, t0 + o - lo] * factor
-                        for d in range(dim):
-                            acc[j, d] += w * tile[o, d]
-            for j in range(group):
-                for d in range(dim):
-                    out[b, h * group + j, d] = acc[j, d]
+                factor = v_scale[page] * inv * half_offset
+                base = page * page_size
+                o = start
+                while o + 4 <= end:
+                    t = t0 + o - lo
+                    w0 = probs[0, t] * factor
+                    w1 = probs[0, t + 1] * factor
+                    w2 = probs[0, t + 2] * factor
+                    w3 = probs[0, t + 3] * factor
+                    for d in range(dim):
+                        acc[d] += (w0 * _value(v[base + o, h, d]) + w1 * _value(v[base + o + 1, h, d])) + (
+                            w2 * _value(v[base + o + 2, h, d]) + w3 * _value(v[base + o + 3, h, d])
+                        )
+                    o += 4
+                for r in range(o, end):
+                    w = probs[0, t0 + r - lo] * factor
+                    for d in range(dim):
+                        acc[d] += w * _value(v[base + r, h, d])
+            for d in range(dim):
+                out[b, hq, d] = acc[d] * half_offset
 
 
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether the kernel reads this cache: whole-entry FP8 slots (uint8 bits) as wide as the queries."""
-    return k_slots.device.type == "cpu" and k_slots.dtype == torch.uint8 and k_slots.shape[-1] == q.shape[-1]
+    """Whether the kernel reads this cache: FP8 (uint8 bits), BF16 or fp32 slots as wide as the queries."""
+    return k_slots.device.type == "cpu" and k_slots.dtype in _STORED and k_slots.shape[-1] == q.shape[-1]
+
+
+def _stored(slots: torch.Tensor) -> np.ndarray:
+    if slots.dtype == torch.bfloat16:  # numpy has no bfloat16: hand the kernel its bits
+        return slots.view(torch.int16).numpy().view(np.uint16)
+    return slots.numpy()
+
+
+@functools.lru_cache(maxsize=8)
+def _unit_scales(pages: int) -> np.ndarray:
+    """Per-page scales of an unquantised cache: 1 everywhere (read only)."""
+    ones = np.ones(pages, np.float32)
+    ones.flags.writeable = False
+    return ones
 
 
 def paged_decode_attention_cpu(
@@ -122,22 +199,27 @@ def paged_decode_attention_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_decode_attention_reference`` over FP8 pages without gathered copies: [B, heads, dim] in q's
-    dtype. ``k_scale`` and ``v_scale`` are the layer's per-page scales [pages]."""
-    if k_scale is None or v_scale is None:
+    """``paged_decode_attention_reference`` without gathered copies: [B, heads, dim] in q's dtype.
+    FP8 slots need the layer's per-page ``k_scale`` and ``v_scale`` [pages]."""
+    fp8 = k_slots.dtype == torch.uint8
+    if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("FP8 pages need their per-page k_scale and v_scale")
+    if fp8:
+        scales = [s.detach().float().contiguous().numpy() for s in (k_scale, v_scale)]
+    else:
+        scales = [_unit_scales(k_slots.shape[0] // page_size)] * 2
     out = torch.empty(q.shape, dtype=torch.float32)
     _decode(
         q.detach().float().contiguous().numpy(),
-        k_slots.detach().contiguous().numpy(),
-        v_slots.detach().contiguous().numpy(),
+        _stored(k_slots.detach().contiguous()),
+        _stored(v_slots.detach().contiguous()),
         block_tables.contiguous().numpy(),
         seq_lens.contiguous().numpy(),
         page_size,
         np.float32(scale),
         sliding_window or 0,
-        k_scale.detach().float().contiguous().numpy(),
-        v_scale.detach().float().contiguous().numpy(),
+        *scales,
+        _HALF_FP8_OFFSET if fp8 else np.float32(1.0),
         out.numpy(),
     )
     return out.to(q.dtype)
