@@ -218,6 +218,48 @@ def test_kv_write_fp8_matches_reference_except_the_interpreters_carry_bug():
         assert wrong.float().mean() < 0.1
 
 
+def test_cpu_fp8_write_equals_the_torch_path_bit_for_bit(monkeypatch):
+    """Opening pages (dynamic scales: inherited, raised by a loud chunk), quantising and scattering: the
+    numba write leaves the cache, scales included, exactly as the torch path does."""
+    from gpu_workers.kv.scales import KVScales
+
+    spec, page_size = KVSpec(num_layers=2, num_kv_heads=2, head_dim=24), 4
+    tables = [[3, 9, 1, 7, 12], [0, 2, 15], [5, 6, 4, 8, 10, 11]]
+    # Prefill in chunks that start mid-page and span pages, then decode steps that open pages and not.
+    steps = [
+        ([0, 0, 0], [6, 3, 9]),
+        ([6, 3, 9], [5, 4, 2]),
+        ([11, 7, 11], [1, 1, 1]),
+        ([12, 8, 12], [1, 1, 1]),
+    ]
+    loud = {2: 40.0}  # step 2's tokens are 40x louder: a page they open takes a larger scale
+    gen = torch.Generator().manual_seed(3)
+    writes = []
+    for i, (done, new) in enumerate(steps):
+        meta = AttentionMetadata.build(
+            tables, [d + n for d, n in zip(done, new, strict=True)], new, page_size
+        )
+        x = [torch.randn(meta.num_tokens, 2, 24, generator=gen) * loud.get(i, 1.0) for _ in range(2)]
+        x[0][0, 0, 0] = 1e4  # saturates at 448 x scale wherever its page was opened quieter
+        writes.append((meta, [t.to(torch.bfloat16) for t in x]))
+    static = KVScales.from_amax([0.7, 1.3], [2.0, 0.5], tokens=1)
+    for scales in (None, static):
+        caches = {}
+        for mode in ("reference", "auto"):
+            monkeypatch.setenv("TESSERA_KERNELS", mode)
+            cache = KVCache(spec, num_pages=16, page_size=page_size, dtype=torch.float8_e4m3fn, scales=scales)
+            for layer in range(2):
+                for meta, (k, v) in writes:
+                    cache.write(layer, k, v, meta.slot_mapping, meta.spans)
+                cache.write(layer, k[:2], v[:2], torch.tensor([52, 53]))  # no spans: one sequence
+            caches[mode] = cache
+        ref, cpu = caches["reference"], caches["auto"]
+        assert torch.equal(cpu.k, ref.k) and torch.equal(cpu.v, ref.v)
+        assert torch.equal(cpu.k_scale, ref.k_scale) and torch.equal(cpu.v_scale, ref.v_scale)
+        if scales is None:  # dynamic scales did differ between pages (static ones are one per layer)
+            assert len(set(ref.k_scale[0].tolist())) > 2
+
+
 def test_int4_engine_on_kernels_generates_the_reference_tokens(tiny_llama_dir, tmp_path, monkeypatch):
     """The engine's linear layers on the W4A16 kernel (interpreted) and on the torch reference agree."""
     quantize_checkpoint(tiny_llama_dir, tmp_path / "int4", "int4", group_size=32)

@@ -40,7 +40,11 @@ def fp8_scale_pow2(amax: torch.Tensor) -> torch.Tensor:
     same 3-bit mantissa whatever the scale: two scales computed from different chunks of the same
     sequence store the same dequantised values, except at the range ends (saturation, subnormals).
     """
-    return torch.exp2(torch.ceil(torch.log2(fp8_scale(amax))))
+    # From the float's own fields, not exp2(ceil(log2(s))): an fp32 log2 rounds to the integer below for
+    # s just above a power of two, which gave a scale under s (and values past 448, clamped).
+    scale = fp8_scale(amax)
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

@@ -20,9 +20,10 @@ import functools
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
+
+from gpu_workers.kernels.numba_bits import as_float32, prefetch
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
 _JIT = {
@@ -48,36 +49,6 @@ _C2, _C3, _C4, _C5, _C6, _C7 = _INV_FACTORIAL
 _STORED = {torch.uint8: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-@intrinsic
-def _as_float32(typingctx, bits):
-    """The float32 whose bits are ``bits`` (a uint32)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, array, index):
-    """Ask the CPU to start loading the cache line holding ``array.flat[index]`` (C-contiguous) into its
-    caches: pages sit anywhere in the pool, where the hardware prefetcher cannot guess the next one."""
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        offset = builder.mul(args[1], context.get_constant(types.intp, signature.args[0].dtype.bitwidth // 8))
-        address = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [offset])
-        i32 = ir.IntType(32)
-        prefetch = builder.module.declare_intrinsic(
-            "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
-        )
-        # read, keep in all cache levels, data
-        builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(array, types.intp), codegen
-
-
 @numba.njit(**_JIT)
 def _prefetch_page(slots, first_slot, head, page_size, line):
     """Every cache line of one KV head's values in one page (``line`` elements to a line)."""
@@ -85,7 +56,7 @@ def _prefetch_page(slots, first_slot, head, page_size, line):
     for o in range(page_size):
         start = ((first_slot + o) * kv_heads + head) * dim
         for e in range(0, dim, line):
-            _prefetch(slots, start + e)
+            prefetch(slots, start + e)
 
 
 def _value(stored):
@@ -95,11 +66,11 @@ def _value(stored):
 @overload(_value)
 def _value_of(stored):
     if stored == types.uint8:  # e4m3 bits: fields into bf16's, 2^120 below the value
-        return lambda stored: _as_float32(
+        return lambda stored: as_float32(
             (((np.uint32(stored) & 0x7F) << 4) | ((np.uint32(stored) & 0x80) << 8)) << 16
         )
     if stored == types.uint16:  # bf16 bits are the high half of fp32's
-        return lambda stored: _as_float32(np.uint32(stored) << 16)
+        return lambda stored: as_float32(np.uint32(stored) << 16)
     if stored == types.float32:
         return lambda stored: stored
     return None
@@ -120,7 +91,7 @@ def _exp(x):
     p = p * r + _C2
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
-    return p * _as_float32(np.uint32(np.int32(n) + 127) << 23)
+    return p * as_float32(np.uint32(np.int32(n) + 127) << 23)
 
 
 @numba.njit(**_JIT)

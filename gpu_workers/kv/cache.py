@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 from gpu_workers.formats.fp8 import SCALE_DTYPE, fp8_scale_pow2, is_fp8, quantize_fp8_entry, storage_dtype
+from gpu_workers.kernels import use_cpu_kernels
 from gpu_workers.kernels.kv_write import write_kv, write_kv_reference
+from gpu_workers.kernels.kv_write_cpu import write_kv_fp8_cpu
 from gpu_workers.kv.scales import KVScales
 from gpu_workers.kv.spec import KVSpec
 
@@ -156,6 +158,14 @@ class KVCache:
                 write_kv(x, slots, slot_mapping, None, self.page_size)
             return
         if slot_mapping.numel() == 0:
+            return
+        if not self.tail and use_cpu_kernels(slot_mapping.device):  # opening and writing in one call
+            token_seq, prev_page = (None, None) if spans is None else (spans.token_seq, spans.prev_page)
+            for x, slots, scales in writes:
+                dynamic = self.static_scales is None
+                write_kv_fp8_cpu(
+                    x, slots, slot_mapping, scales[layer], self.page_size, token_seq, prev_page, dynamic
+                )
             return
         pages = slot_mapping // self.page_size
         for x, slots, scales in writes:
