@@ -116,3 +116,21 @@ def test_linear_rope_scaling_matches_hf_frequencies():
     config = ModelConfig.from_dict({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     assert config.rope.type == "linear"
     torch.testing.assert_close(inverse_frequencies(config.rope, config.head_dim), hf_inv_freq, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_equals_hf_bit_for_bit(dtype):
+    """The norm every decoder layer runs twice: HF's LlamaRMSNorm to the last bit, in bf16 and fp32, on
+    rows of very different scales (the fused kernel must reduce as HF's pow/mean/rsqrt does)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from gpu_workers.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    for dim in (64, 256, 4096):
+        x = (torch.randn(300, dim, generator=gen) * torch.logspace(-3, 3, 300)[:, None]).to(dtype)
+        weight = torch.randn(dim, generator=gen).to(dtype)
+        theirs, ours = LlamaRMSNorm(dim, eps=1e-5).to(dtype), RMSNorm(dim, 1e-5).to(dtype)
+        theirs.weight.data.copy_(weight)
+        ours.weight.data.copy_(weight)
+        assert torch.equal(ours(x), theirs(x))
