@@ -1,4 +1,4 @@
-"""FP8 KV write on the CPU: open pages (dynamic scales), quantise and scatter a layer's new K or V in one call.
+"""FP8 KV write on the CPU: open pages (dynamic scales), quantise and scatter new K or V in one call.
 
 The torch path (``KVCache._open_pages`` + ``kv_write.write_kv_reference``) takes some 15 tensor ops and a
 scalar fp8 cast per write, ~70 µs for a 32-token decode step's K or V on this CPU; every layer writes
