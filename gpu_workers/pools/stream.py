@@ -5,10 +5,10 @@ lease and appends in one Lua script, so an attempt whose lease was taken over (i
 dead, the message was delivered twice) can never add a token after that, however late it wakes up.
 Reading what a stream holds lets a redelivered task decide between skipping, failing and retrying.
 
-``StepWriter`` is how a worker streams: one thread writes the new tokens of every running request in one
-pipelined round trip per wake-up (a wake-up follows an engine step; tokens of several steps that piled up
-while Redis was busy go out as one entry per request) and reads every request's cancel key in the same
-round trip. The engine's step only appends to an in-memory queue.
+``StepWriter`` is how a worker streams: one thread writes the new tokens of every running request with one
+script call per wake-up (a wake-up follows an engine step; tokens of several steps that piled up while
+Redis was busy go out as one entry per request) and reads every request's cancel key in the same round
+trip. The engine's step only appends to an in-memory queue.
 """
 
 from __future__ import annotations
@@ -49,6 +49,25 @@ end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return #ARGV - 5
+"""
+# The same for every request a worker streams in one step, in one call (one script run per step instead of
+# one per request). KEYS: lease and stream of each request, in pairs. ARGV: maxlen, stream ttl, lease ttl ms,
+# field, then each request's owner and event JSON. Returns per request 1, or -1 where its lease is another's.
+# (Keys of many requests in one script: one Redis server, as the platform runs it, not a hash-slotted cluster.)
+_PUBLISH_STEP = """
+local written = {}
+for i = 1, #KEYS / 2 do
+  local lease, stream, owner = KEYS[2 * i - 1], KEYS[2 * i], ARGV[3 + 2 * i]
+  if redis.call('GET', lease) ~= owner then
+    written[i] = -1
+  else
+    redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', ARGV[4], ARGV[4 + 2 * i])
+    redis.call('EXPIRE', stream, ARGV[2])
+    redis.call('PEXPIRE', lease, ARGV[3])
+    written[i] = 1
+  end
+end
+return written
 """
 # KEYS: lease. ARGV: owner. Delete only if still ours.
 _RELEASE = """
@@ -119,18 +138,10 @@ class RequestStream:
 
     def publish(self, *events: Event) -> None:
         """Append events in order; raises LeaseLost if this attempt no longer owns the request."""
-        if events:
-            self.check_written(self.publish_in(self.client, *events))
-
-    def publish_in(self, client: redis.Redis | redis.client.Pipeline, *events: Event) -> Any:
-        """Queue the append on ``client`` (a pipeline: its reply goes to ``check_written``).
-
-        Into a pipeline the script goes as a bare EVALSHA: redis-py's Script would make the pipeline ask
-        SCRIPT EXISTS first, one more round trip per engine step. A server without the script answers
-        NOSCRIPT; ``StepWriter`` then loads it and sends those appends again."""
+        if not events:
+            return
         for event in events:
             event.worker_id = self.owner
-        keys = [self._lease, stream_key(self.request_id)]
         args = [
             self.owner,
             STREAM_MAXLEN,
@@ -139,13 +150,12 @@ class RequestStream:
             STREAM_FIELD,
             *(e.to_json() for e in events),
         ]
-        if isinstance(client, redis.client.Pipeline):
-            return client.evalsha(self._publish.sha, len(keys), *keys, *args)
-        return self._publish(keys=keys, args=args, client=client)
+        self.check_written(self._publish(keys=self.keys, args=args))
 
-    def load_scripts(self) -> None:
-        """Load the append script into the server (after a NOSCRIPT reply: a restarted or flushed Redis)."""
-        self.client.script_load(_PUBLISH)
+    @property
+    def keys(self) -> list[str]:
+        """The lease and the stream, as the append scripts take them."""
+        return [self._lease, stream_key(self.request_id)]
 
     def check_written(self, reply: Any) -> None:
         if isinstance(reply, Exception):
@@ -200,6 +210,7 @@ class StepWriter:
         self._live: dict[str, Streamed] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._publish_step = client.register_script(_PUBLISH_STEP)
         self.round_trips = 0  # pipelines executed (writes and cancel reads)
         self.entries_written = 0  # stream entries they appended
 
@@ -255,37 +266,46 @@ class StepWriter:
                 pending.setdefault(request, []).append(event)
         with self._lock:
             live = [r for r in self._live.values() if not r.done.is_set()]
-        pipe = self.client.pipeline(transaction=False)
         writes: list[tuple[Streamed, Event]] = []
         for request, events in pending.items():
             token_ids = [t for e in events for t in e.token_ids]
             text = "".join(e.text for e in events)
             request.completion_tokens += len(token_ids)
             if token_ids or text:
-                entry = Event(kind="token", token_ids=token_ids, text=text)
-                request.stream.publish_in(pipe, entry)
-                writes.append((request, entry))
+                writes.append((request, Event(kind="token", token_ids=token_ids, text=text)))
+        pipe = self.client.pipeline(transaction=False)
+        if writes:
+            # Into the pipeline the script goes as a bare EVALSHA: redis-py's Script would make the pipeline
+            # ask SCRIPT EXISTS first, one more round trip per step. A server without it answers NOSCRIPT.
+            keys, args = self._step_args(writes)
+            pipe.evalsha(self._publish_step.sha, len(keys), *keys, *args)
         if live:
             pipe.mget([cancel_key(r.request_id) for r in live])
         if writes or live:
             try:
                 replies = pipe.execute(raise_on_error=False)
-                if any(isinstance(reply, NoScriptError) for reply in replies[: len(writes)]):
-                    replies[: len(writes)] = self._write_again(writes, replies)
+                if writes and isinstance(replies[0], NoScriptError):  # a restarted or flushed Redis
+                    replies[0] = self._publish_step(keys=keys, args=args)
             except RedisError as exc:
                 for request, _ in writes:  # their tokens are not on the stream: they cannot go on
                     self._fail(request, exc)
                 replies = []
             else:
                 self.round_trips += 1
-                self.entries_written += len(writes)
-            for (request, _), reply in zip(writes, replies, strict=False):
-                try:
-                    request.stream.check_written(reply)
-                except (LeaseLost, RedisError) as exc:
-                    self._fail(request, exc)
-            if live and len(replies) == len(writes) + 1 and not isinstance(replies[-1], Exception):
-                for request, cancelled in zip(live, replies[-1], strict=True):
+            if writes and replies:
+                written = replies[0]
+                for i, (request, _) in enumerate(writes):
+                    try:
+                        request.stream.check_written(
+                            written if isinstance(written, Exception) else written[i]
+                        )
+                    except (LeaseLost, RedisError) as exc:
+                        self._fail(request, exc)
+                    else:
+                        self.entries_written += 1
+            cancels = replies[-1] if live and len(replies) == bool(writes) + 1 else None
+            if cancels is not None and not isinstance(cancels, Exception):
+                for request, cancelled in zip(live, cancels, strict=True):
                     if cancelled is not None:
                         self._stop(request)
         now = time.time()
@@ -299,18 +319,15 @@ class StepWriter:
                 request.final = final
                 request.done.set()
 
-    def _write_again(self, writes: list[tuple[Streamed, Event]], replies: list[Any]) -> list[Any]:
-        """The server had no append script (NOSCRIPT: none of those appends ran): load it, send them again."""
-        writes[0][0].stream.load_scripts()
-        pipe = self.client.pipeline(transaction=False)
-        again = [i for i, reply in enumerate(replies[: len(writes)]) if isinstance(reply, NoScriptError)]
-        for i in again:
-            request, entry = writes[i]
-            request.stream.publish_in(pipe, entry)
-        replies = list(replies[: len(writes)])
-        for i, reply in zip(again, pipe.execute(raise_on_error=False), strict=True):
-            replies[i] = reply
-        return replies
+    @staticmethod
+    def _step_args(writes: list[tuple[Streamed, Event]]) -> tuple[list[str], list[Any]]:
+        keys: list[str] = []
+        args: list[Any] = [STREAM_MAXLEN, STREAM_TTL_S, LEASE_TTL_MS, STREAM_FIELD]
+        for request, entry in writes:
+            entry.worker_id = request.stream.owner
+            keys += request.stream.keys
+            args += [request.stream.owner, entry.to_json()]
+        return keys, args
 
     def _stop(self, request: Streamed) -> None:
         if not request.stopping:
