@@ -133,32 +133,6 @@ def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, pag
     assert_matches(kernel(qb, *args), paged_decode_attention_reference(qb, *args), 2**-7)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3"])
-def test_cpu_decode_attention_split_across_threads_equals_one_thread(kv):
-    """Rows go to as many threads as torch uses: each row's result is the same bit for bit."""
-    q, k, v, tables, lens, num_pages = decode_case(4, 2, 32, 4, [1, 5, 13, 40, 150, 7, 64, 3, 99])
-    scales = (None, None)
-    if kv == "bf16":
-        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    else:
-        scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
-        k, v = (
-            quantize_fp8(x, s.repeat_interleave(4)[:, None, None])
-            for x, s in zip((k, v), scales, strict=True)
-        )
-    args = (k, v, tables, lens, 4, 32**-0.5, None, *scales)
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            outs.append(paged_decode_attention_cpu(q, *args))
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
-    assert_matches(outs[1], paged_decode_attention_reference(q, *args), 1e-5)
-
-
 def test_cpu_decode_attention_reads_every_e4m3_value_exactly():
     """One key per row: its V comes back as the reference dequantises it, for every finite e4m3 pattern."""
     patterns = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)

@@ -10,15 +10,13 @@ vectorisable exp, then V four positions at a time; the next pages are prefetched
 sit anywhere in memory. The page scales multiply a page's scores and its probabilities, as the Triton
 kernel does: scalar multiplies per position, not per element. No padding, no mask, no copies.
 
-Rows are independent: with torch on several threads, they are split across as many (bit-identical to one
-thread). Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
+Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
 returned in q's dtype; the exp is within 5 float32 ulps). Compiled on first use, cached on disk by numba.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import numba
 import numpy as np
@@ -27,8 +25,6 @@ from numba import types
 from numba.extending import overload
 
 from gpu_workers.kernels.numba_bits import as_float32, prefetch
-
-log = logging.getLogger(__name__)
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
 _JIT = {
@@ -99,14 +95,15 @@ def _exp(x):
     return p * as_float32(np.uint32(np.int32(n) + 127) << 23)
 
 
+@numba.njit(**_JIT)
 def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, out):
     rows, heads, dim = q.shape
     group = heads // k.shape[1]
     line = 64 // k.itemsize  # values to a cache line
-    for b in numba.prange(rows):  # rows are independent: split across threads in the parallel build
-        probs = np.empty((1, tables.shape[1] * page_size), np.float32)  # row 0: positions from lo
-        acc = np.empty(dim, np.float32)
-        qs = np.empty(dim, np.float32)
+    probs = np.empty((1, tables.shape[1] * page_size), np.float32)  # row 0: the row's positions from lo
+    acc = np.empty(dim, np.float32)
+    qs = np.empty(dim, np.float32)
+    for b in range(rows):
         n = lens[b]
         lo = n - window if 0 < window < n else 0
         first, last = lo // page_size, (n + page_size - 1) // page_size
@@ -183,41 +180,6 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 out[b, hq, d] = acc[d] * half_offset
 
 
-_decode_parallel = numba.njit(parallel=True, **_JIT)(_decode)
-# Parallel kernels need a thread-safe layer (OpenMP or TBB): engines in several threads of one process may
-# run them at once, which numba's fallback layer (workqueue) answers by aborting the process.
-numba.config.THREADING_LAYER = "threadsafe"
-_PARALLEL_ROWS = 4  # fewer rows than this run on one thread: splitting them costs more than it saves
-
-
-@functools.cache
-def _decode_serial():
-    """The kernel on the calling thread alone, for a process where numba has no thread-safe layer (compiled
-    then, not cached: a second entry for the same function in numba's cache index would be ambiguous)."""
-    return numba.njit(**{**_JIT, "cache": False})(_decode)
-
-
-_serial_only: list[str] = []  # why parallel launches were given up, once that is known
-
-
-def _launch(args: tuple, rows: int) -> None:
-    """Rows split across as many threads as torch uses for its own ops (benchmarks pinning torch to one
-    thread pin this too)."""
-    if not _serial_only:
-        threads = (
-            min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS) if rows >= _PARALLEL_ROWS else 1
-        )
-        try:
-            if numba.get_num_threads() != threads:
-                numba.set_num_threads(threads)  # for the calling thread; starts the layer on first use
-            _decode_parallel(*args)
-            return
-        except ValueError as exc:  # numba found no OpenMP or TBB runtime here
-            _serial_only.append(str(exc))
-            log.warning("CPU decode attention runs on one thread: numba has no thread-safe layer (%s)", exc)
-    _decode_serial()(*args)
-
-
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether the kernel reads this cache: FP8 (uint8 bits), BF16 or fp32 slots as wide as the queries."""
     return k_slots.device.type == "cpu" and k_slots.dtype in _STORED and k_slots.shape[-1] == q.shape[-1]
@@ -259,7 +221,7 @@ def paged_decode_attention_cpu(
     else:
         scales = [_unit_scales(k_slots.shape[0] // page_size)] * 2
     out = torch.empty(q.shape, dtype=torch.float32)
-    args = (
+    _decode(
         q.detach().float().contiguous().numpy(),
         _stored(k_slots.detach().contiguous()),
         _stored(v_slots.detach().contiguous()),
@@ -272,5 +234,4 @@ def paged_decode_attention_cpu(
         _HALF_FP8_OFFSET if fp8 else np.float32(1.0),
         out.numpy(),
     )
-    _launch(args, q.shape[0])
     return out.to(q.dtype)
