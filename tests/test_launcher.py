@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tessera.launcher import DEFAULT_MODEL
+from tessera.launcher import DEFAULT_MODEL, worker_threads_env
 
 from gpu_workers.protocol import WorkerInfo, connect_redis, workers_key
 
@@ -218,6 +218,15 @@ def test_up_prints_url_and_key_serves_and_ctrl_c_stops_everything(data_dir):
         assert f"{up.url}/v1" in up.output
         assert len(up.pids) >= 4  # prefill worker, decode worker, API, Redis
         assert httpx.get(f"{up.url}/readyz").status_code == 200
+        # The two workers share the cores (OMP_NUM_THREADS each), unless the user set it for them.
+        expected = os.environ.get("OMP_NUM_THREADS") or worker_threads_env({})["OMP_NUM_THREADS"]
+        workers = [p for p in up.pids if b"worker" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+        assert len(workers) == 2
+        for pid in workers:
+            environ = dict(
+                e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e
+            )
+            assert environ[b"OMP_NUM_THREADS"].decode() == expected
         # What the banner says to run works when pasted into a shell, and completes Python.
         commands = banner_commands(up)
         assert commands.startswith(f"export TESSERA_KEY={up.key}\n") and "/v1/completions" in commands
@@ -351,6 +360,13 @@ def test_killing_the_decode_worker_mid_stream_ends_that_stream_with_an_error_and
         code = stop_up(up, signal.SIGTERM)
     assert code == 0, up.output
     assert_all_stopped(up)
+
+
+def test_worker_threads_share_the_cores_and_keep_a_users_setting():
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads_env({}) == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert worker_threads_env({}, workers=4 * cores) == {"OMP_NUM_THREADS": "1"}
+    assert worker_threads_env({"OMP_NUM_THREADS": "3"}) == {}
 
 
 def test_up_gives_up_saying_why_when_a_worker_keeps_failing_right_after_start(tmp_path):
