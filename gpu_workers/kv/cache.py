@@ -161,8 +161,8 @@ class KVCache:
             return
         if not self.tail and use_cpu_kernels(slot_mapping.device):  # opening and writing in one call
             token_seq, prev_page = (None, None) if spans is None else (spans.token_seq, spans.prev_page)
+            dynamic = self.static_scales is None
             for x, slots, scales in writes:
-                dynamic = self.static_scales is None
                 write_kv_fp8_cpu(
                     x, slots, slot_mapping, scales[layer], self.page_size, token_seq, prev_page, dynamic
                 )

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,34 +40,28 @@ STREAM_MAXLEN = 10_000  # events kept per stream (about a token each): a bound, 
 LEASE_TTL_MS = int(HEARTBEAT_TTL_S * 1000)  # the heartbeat renews the leases of a live worker
 TERMINAL = ("final", "error")
 
-# KEYS: lease, stream. ARGV: owner, maxlen, stream ttl, lease ttl ms, field, event JSON...
-_PUBLISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-for i = 6, #ARGV do
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', ARGV[5], ARGV[i])
-end
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return #ARGV - 5
-"""
-# The same for every request a worker streams in one step, in one call (one script run per step instead of
-# one per request). KEYS: lease and stream of each request, in pairs. ARGV: maxlen, stream ttl, lease ttl ms,
-# field, then each request's owner and event JSON. Returns per request 1, or -1 where its lease is another's.
-# (Keys of many requests in one script: one Redis server, as the platform runs it, not a hash-slotted cluster.)
-_PUBLISH_STEP = """
-local written = {}
+# Appends for one request or for every request a worker streams in a step, in one script run. KEYS: lease
+# and stream of each request, in pairs. ARGV: maxlen, stream ttl, lease ttl ms, field, then for each request
+# its owner, its event count n and its n events (JSON). Returns per request n, or -1 where its lease is
+# another's. (Keys of many requests in one script: one Redis server, as the platform runs it, not a
+# hash-slotted cluster.)
+_APPEND = """
+local appended, a = {}, 5
 for i = 1, #KEYS / 2 do
-  local lease, stream, owner = KEYS[2 * i - 1], KEYS[2 * i], ARGV[3 + 2 * i]
+  local lease, stream, owner, n = KEYS[2 * i - 1], KEYS[2 * i], ARGV[a], tonumber(ARGV[a + 1])
   if redis.call('GET', lease) ~= owner then
-    written[i] = -1
+    appended[i] = -1
   else
-    redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', ARGV[4], ARGV[4 + 2 * i])
+    for j = 1, n do
+      redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', ARGV[4], ARGV[a + 1 + j])
+    end
     redis.call('EXPIRE', stream, ARGV[2])
     redis.call('PEXPIRE', lease, ARGV[3])
-    written[i] = 1
+    appended[i] = n
   end
+  a = a + 2 + n
 end
-return written
+return appended
 """
 # KEYS: lease. ARGV: owner. Delete only if still ours.
 _RELEASE = """
@@ -119,7 +113,7 @@ class RequestStream:
         self.request_id = request_id
         self.owner = owner
         self._lease = lease_key(request_id)
-        self._publish = client.register_script(_PUBLISH)
+        self._append = client.register_script(_APPEND)
         self._release = client.register_script(_RELEASE)
         self._take_over = client.register_script(_TAKE_OVER)
 
@@ -138,30 +132,28 @@ class RequestStream:
 
     def publish(self, *events: Event) -> None:
         """Append events in order; raises LeaseLost if this attempt no longer owns the request."""
-        if not events:
-            return
-        for event in events:
-            event.worker_id = self.owner
-        args = [
-            self.owner,
-            STREAM_MAXLEN,
-            STREAM_TTL_S,
-            LEASE_TTL_MS,
-            STREAM_FIELD,
-            *(e.to_json() for e in events),
-        ]
-        self.check_written(self._publish(keys=self.keys, args=args))
-
-    @property
-    def keys(self) -> list[str]:
-        """The lease and the stream, as the append scripts take them."""
-        return [self._lease, stream_key(self.request_id)]
+        if events:
+            keys, args = append_args([(self, events)])
+            self.check_written(self._append(keys=keys, args=args)[0])
 
     def check_written(self, reply: Any) -> None:
         if isinstance(reply, Exception):
             raise reply
         if reply < 0:
             raise LeaseLost(f"request {self.request_id} is now served by another attempt")
+
+
+def append_args(appends: list[tuple[RequestStream, Sequence[Event]]]) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of the append script for these streams' events (stamped with each stream's owner)."""
+    keys: list[str] = []
+    args: list[Any] = [STREAM_MAXLEN, STREAM_TTL_S, LEASE_TTL_MS, STREAM_FIELD]
+    for stream, events in appends:
+        keys += [stream._lease, stream_key(stream.request_id)]
+        args += [stream.owner, len(events)]
+        for event in events:
+            event.worker_id = stream.owner
+            args.append(event.to_json())
+    return keys, args
 
 
 @dataclass(eq=False)
@@ -210,7 +202,7 @@ class StepWriter:
         self._live: dict[str, Streamed] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._publish_step = client.register_script(_PUBLISH_STEP)
+        self._append = client.register_script(_APPEND)
         self.round_trips = 0  # pipelines executed (writes and cancel reads)
         self.entries_written = 0  # stream entries they appended
 
@@ -277,15 +269,15 @@ class StepWriter:
         if writes:
             # Into the pipeline the script goes as a bare EVALSHA: redis-py's Script would make the pipeline
             # ask SCRIPT EXISTS first, one more round trip per step. A server without it answers NOSCRIPT.
-            keys, args = self._step_args(writes)
-            pipe.evalsha(self._publish_step.sha, len(keys), *keys, *args)
+            keys, args = append_args([(request.stream, [entry]) for request, entry in writes])
+            pipe.evalsha(self._append.sha, len(keys), *keys, *args)
         if live:
             pipe.mget([cancel_key(r.request_id) for r in live])
         if writes or live:
             try:
                 replies = pipe.execute(raise_on_error=False)
                 if writes and isinstance(replies[0], NoScriptError):  # a restarted or flushed Redis
-                    replies[0] = self._publish_step(keys=keys, args=args)
+                    replies[0] = self._append(keys=keys, args=args)
             except RedisError as exc:
                 for request, _ in writes:  # their tokens are not on the stream: they cannot go on
                     self._fail(request, exc)
@@ -318,16 +310,6 @@ class StepWriter:
             if final is not None and not request.done.is_set():
                 request.final = final
                 request.done.set()
-
-    @staticmethod
-    def _step_args(writes: list[tuple[Streamed, Event]]) -> tuple[list[str], list[Any]]:
-        keys: list[str] = []
-        args: list[Any] = [STREAM_MAXLEN, STREAM_TTL_S, LEASE_TTL_MS, STREAM_FIELD]
-        for request, entry in writes:
-            entry.worker_id = request.stream.owner
-            keys += request.stream.keys
-            args += [request.stream.owner, entry.to_json()]
-        return keys, args
 
     def _stop(self, request: Streamed) -> None:
         if not request.stopping:
