@@ -185,8 +185,10 @@ def api_pid(up: Up) -> int:
 
 def assert_all_stopped(up: Up) -> None:
     assert up.pids, "no processes were recorded"
+    # Orphaned helpers (a worker's multiprocessing resource tracker) exit once they notice their parent is
+    # gone: they get the same grace as the recorded processes.
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(running(p) for p in up.pids):
+    while time.monotonic() < deadline and (any(running(p) for p in up.pids) or started_for(up.data_dir)):
         time.sleep(0.1)
     left = {p for p in up.pids if running(p)} | started_for(up.data_dir)
     assert not left, f"still running after tessera up stopped: {left}\n{up.output}"
