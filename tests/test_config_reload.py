@@ -82,7 +82,9 @@ class Load:
                 text = response.read().decode()
         except httpx.HTTPError as e:
             return 0, f"transport: {e!r}"
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        # SSE lines end at \n (or \r): str.splitlines would also split on U+2028, U+0085 and other
+        # characters a completion's text may hold unescaped inside a data line.
+        events = [line[6:] for line in text.replace("\r\n", "\n").split("\n") if line.startswith("data: ")]
         if response.status_code != 200 or events[-1:] != ["[DONE]"]:
             return response.status_code, text[-500:]
         errors = [e for e in events[:-1] if "error" in json.loads(e)]
