@@ -716,6 +716,25 @@ def test_completion_stream_chunks_are_text_completions(gw):
     assert {c["object"] for c in chunks} == {"text_completion"}
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_data_lines_survive_clients_that_split_on_unicode_line_breaks(gw, path):
+    # httpx's iter_lines (like str.splitlines) also breaks lines at U+0085, U+2028 and U+2029; a completion
+    # holding them must still arrive as whole JSON lines, with the text unchanged.
+    pieces = ("a\u2028b", "\x85", "c\u2029d", " \r\n")
+    gw.pools.script = reply(pieces)
+    body = {"model": gw.model, "stream": True}
+    body.update(
+        {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    with gw.client.stream("POST", path, headers=gw.auth(), json=body) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    choices = [json.loads(line[len("data: ") :])["choices"][0] for line in lines[:-1]]
+    text = "".join(c["text"] if "text" in c else c["delta"].get("content", "") for c in choices)
+    assert text == "".join(pieces)
+
+
 def test_tokens_a_read_returns_together_go_out_as_one_chunk(gw):
     # A worker that got ahead of the gateway: five token entries and the final one land in one transaction,
     # so the gateway's next read returns them all. Their text goes out as one chunk, then the finish chunk.

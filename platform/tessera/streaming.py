@@ -537,5 +537,11 @@ async def sse(
         on_finish(result)
 
 
+# Characters str.splitlines (and so httpx's ``iter_lines`` and many SSE clients) splits a line at, which
+# json.dumps leaves raw with ensure_ascii=False; SSE itself ends lines only at CR/LF. Escaped, the data line
+# stays one line for every client and decodes to the same text.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _dump(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)

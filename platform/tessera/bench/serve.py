@@ -50,7 +50,7 @@ STAT_METRICS = (
 class Outcome:
     """One request as the client saw it: its status, timings (seconds) and the server's usage."""
 
-    status: str  # "ok", an HTTP status, or an error class ("timeout", "disconnected", "stream_error")
+    status: str  # "ok", an HTTP status, or an error class (timeout, disconnected, malformed_chunk, ...)
     latency: float
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
@@ -139,8 +139,10 @@ async def send(client: httpx.AsyncClient, api_key: str, workload: Workload, prom
                         outcome.output_cost_usd = (usage.get("cost_details") or {}).get("output", 0.0)
     except httpx.TimeoutException:
         outcome.status = "timeout"
-    except (httpx.TransportError, json.JSONDecodeError):
+    except httpx.TransportError:
         outcome.status = "disconnected"
+    except json.JSONDecodeError:
+        outcome.status = "malformed_chunk"
     outcome.latency = time.perf_counter() - start
     if outcome.status == "ok" and outcome.ttft is None:
         outcome.status = "no_tokens"
