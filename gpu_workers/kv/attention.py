@@ -4,7 +4,7 @@ and ``PagedAttention``, which writes the new K/V into the cache and attends (``k
 One step packs the new tokens of every scheduled sequence into a flat batch of T tokens. Sequence i
 contributes ``query_lens[i]`` tokens, the last ones of its ``context_lens[i]`` cached tokens (prefill
 chunks and decode tokens are the same thing with different lengths). The metadata is built once per step
-with tensor operations (no per-token Python) and read by every layer: decode rows (one query each) are
+with array operations (no per-token Python) and read by every layer: decode rows (one query each) are
 attended together through their block tables, prefill rows one sequence at a time, unpadded.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from gpu_workers.kernels.paged_attention import paged_attention
@@ -33,28 +34,47 @@ class DecodeRows:
     _derived: dict = field(default_factory=dict, repr=False)  # masks and int32 tables, built on first use
 
     @classmethod
-    def build(cls, rows: torch.Tensor, tables: torch.Tensor, lens: list[int], page_size: int) -> DecodeRows:
-        """Decode rows with their tables cut to their longest row; grouped by length when there are many."""
-        seq_lens = torch.tensor(lens, dtype=torch.long, device=rows.device)
-        whole = cls(rows, tables[:, : -(-max(lens) // page_size)], seq_lens)
+    def build(
+        cls,
+        rows: np.ndarray,
+        tables: np.ndarray,
+        lens: np.ndarray,
+        page_size: int,
+        device: torch.device | str,
+    ) -> DecodeRows:
+        """Decode rows (flat token index ``rows``, page ``tables``, context ``lens``, as int64 arrays) with their
+        tables cut to their longest row; grouped by length when there are many."""
+        whole = cls._of(rows, tables[:, : -(-int(lens.max()) // page_size)], lens, device)
         num_groups = min(DECODE_GROUPS, len(lens) // MIN_GROUP_ROWS)
         if num_groups > 1:
-            order = sorted(range(len(lens)), key=lens.__getitem__)
+            order = np.argsort(lens, kind="stable")
             size = -(-len(order) // num_groups)
             # Groups as wide (in pages) as the next pad no less apart than together: they stay one call.
-            split: list[tuple[int, list[int]]] = []  # (width in pages, rows)
+            split: list[tuple[int, list[np.ndarray]]] = []  # (width in pages, rows)
             for start in range(0, len(order), size):
                 members = order[start : start + size]
-                width = -(-lens[members[-1]] // page_size)
+                width = -(-int(lens[members[-1]]) // page_size)
                 if split and split[-1][0] == width:
-                    split[-1][1].extend(members)
+                    split[-1][1].append(members)
                 else:
-                    split.append((width, members))
+                    split.append((width, [members]))
             if len(split) > 1:
-                for width, members in split:
-                    index = torch.tensor(members, dtype=torch.long, device=rows.device)
-                    whole.groups.append(cls(rows[index], tables[index, :width], seq_lens[index]))
+                for width, parts in split:
+                    index = np.concatenate(parts)
+                    whole.groups.append(cls._of(rows[index], tables[index, :width], lens[index], device))
         return whole
+
+    @classmethod
+    def _of(
+        cls, rows: np.ndarray, tables: np.ndarray, lens: np.ndarray, device: torch.device | str
+    ) -> DecodeRows:
+        made = cls(_tensor(rows, device), _tensor(tables, device), _tensor(lens, device))
+        if _on_cpu(device):  # what the CPU kernel reads, without a conversion per step
+            made._derived["int32"] = (
+                torch.from_numpy(tables.astype(np.int32)),
+                torch.from_numpy(lens.astype(np.int32)),
+            )
+        return made
 
     def int32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``block_tables`` and ``seq_lens`` as int32, what the decode kernels read; built once per step."""
@@ -123,49 +143,59 @@ class AttentionMetadata:
                 raise ValueError(f"query length {q} must be in 1..context length {ctx}")
             if len(table) * page_size < ctx:
                 raise ValueError(f"page table of {len(table)} pages cannot hold {ctx} tokens")
-        # Tables padded with their last page: every entry names a real page, padding is masked.
-        width = max(-(-ctx // page_size) for ctx in context_lens)
-        tables = torch.tensor(
-            [table[:width] + [table[-1]] * (width - len(table)) for table in page_tables],
-            dtype=torch.long,
-            device=device,
+        # Index arithmetic in numpy (a few µs an op, where each small torch op costs several), then one
+        # tensor per result. Tables padded with their last page: every entry names a real page, padding is
+        # masked.
+        queries = np.asarray(query_lens, dtype=np.int64)
+        contexts = np.asarray(context_lens, dtype=np.int64)
+        width = -(-int(contexts.max()) // page_size)
+        tables = np.array(
+            [table[:width] + [table[-1]] * (width - len(table)) for table in page_tables], dtype=np.int64
         )
-        ctx = torch.tensor(context_lens, dtype=torch.long, device=device)
-        q = torch.tensor(query_lens, dtype=torch.long, device=device)
-        seqs = torch.arange(len(query_lens), device=device)
-        token_seq = seqs.repeat_interleave(q)
-        starts = q.cumsum(0) - q
-        positions = torch.arange(len(token_seq), device=device) - starts[token_seq] + (ctx - q)[token_seq]
+        seqs = np.arange(len(queries))
+        token_seq = np.repeat(seqs, queries)
+        starts = np.cumsum(queries) - queries
+        first = contexts - queries  # position of each sequence's first new token
+        positions = np.arange(len(token_seq)) - starts[token_seq] + first[token_seq]
         slots = tables[token_seq, positions // page_size] * page_size + positions % page_size
-        first = ctx - q  # position of each sequence's first new token
-        prev_page = torch.where(first > 0, tables[seqs, (first - 1).clamp_min(0) // page_size], -1)
-        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        prev_page = np.where(first > 0, tables[seqs, np.maximum(first - 1, 0) // page_size], -1)
+        decode_rows = np.flatnonzero(queries == 1)
         decode = None
-        if decode_rows:
-            index = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            lens = [context_lens[i] for i in decode_rows]
-            decode = DecodeRows.build(starts[index], tables[index], lens, page_size)
+        if len(decode_rows):
+            decode = DecodeRows.build(
+                starts[decode_rows], tables[decode_rows], contexts[decode_rows], page_size, device
+            )
+        tables_t = _tensor(tables, device)
         offsets = starts.tolist()
         prefill = [
             PrefillRow(
-                offsets[i], offsets[i] + n, context_lens[i], tables[i, : -(-context_lens[i] // page_size)]
+                offsets[i], offsets[i] + n, context_lens[i], tables_t[i, : -(-context_lens[i] // page_size)]
             )
             for i, n in enumerate(query_lens)
             if n > 1
         ]
         return cls(
-            slot_mapping=slots,
+            slot_mapping=_tensor(slots, device),
             query_lens=list(query_lens),
             context_lens=list(context_lens),
             page_size=page_size,
             decode=decode,
             prefill=prefill,
-            spans=WriteSpans(token_seq, prev_page),
+            spans=WriteSpans(_tensor(token_seq, device), _tensor(prev_page, device)),
         )
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.numel())
+
+
+def _tensor(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if _on_cpu(device) else tensor.to(device)
+
+
+def _on_cpu(device: torch.device | str) -> bool:
+    return device == "cpu" or torch.device(device).type == "cpu"
 
 
 class PagedAttention:
