@@ -180,6 +180,61 @@ def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_d
     assert len(calls) == (mode == "auto")
 
 
+@pytest.mark.parametrize(
+    ("kv_dtype", "dtype", "static"),
+    [
+        (torch.float32, torch.float32, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.float8_e4m3fn, torch.bfloat16, False),
+        (torch.float8_e4m3fn, torch.float32, False),
+        (torch.float8_e4m3fn, torch.bfloat16, True),
+    ],
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_decode_step_in_one_cpu_call_equals_write_then_attend(monkeypatch, kv_dtype, dtype, static, window):
+    """A decode-only step's attention on the CPU: one kernel call per layer writes K/V and attends, from q/k/v
+    as the model hands them over (views into one fused projection output), and leaves the cache (scales
+    included) and the output bit for bit as the write and the attention apart do."""
+    import gpu_workers.kernels.paged_attention_cpu as cpu
+    from gpu_workers.checkpoint import RopeConfig
+    from gpu_workers.kv import PagedAttention
+    from gpu_workers.kv.scales import KVScales
+    from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
+
+    monkeypatch.setenv("TESSERA_KERNELS", "auto")
+    spec, page_size, heads = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16), 4, 4
+    scales = KVScales.from_amax([0.7, 1.3], [2.0, 0.5], tokens=1) if static else None
+    tables = [[3, 9, 1, 7], [0, 2, 14], [5, 6, 4, 8, 10], [11], [12, 13]]
+    done = [12, 8, 16, 3, 4]  # decode tokens land mid-page, open a page (12, 8, 16, 4) or fill one
+    gen = torch.Generator().manual_seed(5)
+    caches = [KVCache(spec, 16, page_size, kv_dtype, scales=scales) for _ in range(2)]
+    full = AttentionMetadata.build(tables, done, done, page_size)
+    kv = [torch.randn(full.num_tokens, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+    for cache in caches:
+        for layer in range(2):
+            cache.write(layer, *kv, full.slot_mapping, full.spans)
+    meta = AttentionMetadata.build(tables, [d + 1 for d in done], [1] * len(done), page_size)
+    cos, sin = RotaryEmbedding(RopeConfig(), 16)(torch.tensor(done), dtype)
+    calls = []
+    kernel = cpu.write_and_decode_cpu
+    monkeypatch.setattr(cpu, "write_and_decode_cpu", lambda *a: calls.append(1) or kernel(*a))
+    for layer in range(2):
+        qkv = (torch.randn(len(done), (heads + 4) * 16, generator=gen) * 3).to(dtype)
+        qk = apply_rotary(qkv[:, : (heads + 2) * 16].view(-1, heads + 2, 16), cos, sin)
+        q, k = qk.split([heads, 2], dim=1)
+        v = qkv[:, (heads + 2) * 16 :].view(-1, 2, 16)
+        called = PagedAttention(caches[0], meta)(layer, q, k, v, 0.25, window)
+        apart = caches[1]
+        apart.write(layer, k, v, meta.slot_mapping, meta.spans)
+        expected = paged_attention(q, *apart.layer(layer), meta, 0.25, window, *apart.layer_scales(layer))
+        assert called.dtype == dtype and torch.equal(called, expected)
+    assert len(calls) == 2
+    ours, theirs = caches
+    assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
+    if kv_dtype == torch.float8_e4m3fn:
+        assert torch.equal(ours.k_scale, theirs.k_scale) and torch.equal(ours.v_scale, theirs.v_scale)
+
+
 def test_kv_write_bf16_scatters_exactly():
     gen = torch.Generator().manual_seed(0)
     slots = torch.zeros(40, 2, 24, dtype=torch.bfloat16)

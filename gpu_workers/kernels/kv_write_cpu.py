@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gpu_workers.formats.fp8 import FP8_MAX, MIN_AMAX
-from gpu_workers.kernels.numba_bits import as_float32, as_uint32
+from gpu_workers.kernels.numba_bits import as_float32, as_uint32, widen
 
 _JIT = {"nogil": True, "boundscheck": False, "cache": True}  # no fastmath: every rounding is the spec's
 _FP8_MAX = np.float32(FP8_MAX)
@@ -65,7 +65,7 @@ def _write(x, slots, slot_mapping, page_scale, page_size, token_seq, prev_page, 
             if opens[s]:
                 for h in range(heads):
                     for d in range(dim):
-                        amax[s] = max(amax[s], abs(x[t, h, d]))
+                        amax[s] = max(amax[s], abs(widen(x[t, h, d])))
         for t in range(tokens):
             slot = slot_mapping[t]
             if slot % page_size == 0:
@@ -78,7 +78,18 @@ def _write(x, slots, slot_mapping, page_scale, page_size, token_seq, prev_page, 
         scale = page_scale[slot // page_size]
         for h in range(heads):
             for d in range(dim):
-                slots[slot, h, d] = _e4m3(x[t, h, d] / scale)
+                slots[slot, h, d] = _e4m3(widen(x[t, h, d]) / scale)
+
+
+@numba.njit(**_JIT)
+def _copy(x, slots, slot_mapping):
+    """New tokens stored as they are (a BF16 or fp32 cache of the compute dtype)."""
+    tokens, heads, dim = x.shape
+    for t in range(tokens):
+        slot = slot_mapping[t]
+        for h in range(heads):
+            for d in range(dim):
+                slots[slot, h, d] = x[t, h, d]
 
 
 def write_kv_fp8_cpu(

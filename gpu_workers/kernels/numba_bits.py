@@ -1,10 +1,12 @@
-"""Bit-level helpers for the numba CPU kernels: reinterpret float32 <-> uint32, and a cache prefetch hint."""
+"""Bit-level helpers for the numba CPU kernels: reinterpret float32 <-> uint32, widen a stored element to
+float32, and a cache prefetch hint."""
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 @intrinsic
@@ -45,3 +47,22 @@ def prefetch(typingctx, array, index):
         return context.get_dummy_value()
 
     return types.none(array, types.intp), codegen
+
+
+def widen(stored):
+    """The float32 value of one stored element, typed by what is stored (see the overload): e4m3 bits
+    (uint8) as their fields moved into bf16's, exact but 2^120 below their value; bf16 bits (uint16);
+    float32 as it is."""
+
+
+@overload(widen)
+def _widen(stored):
+    if stored == types.uint8:
+        return lambda stored: as_float32(
+            (((np.uint32(stored) & 0x7F) << 4) | ((np.uint32(stored) & 0x80) << 8)) << 16
+        )
+    if stored == types.uint16:  # bf16 bits are the high half of fp32's
+        return lambda stored: as_float32(np.uint32(stored) << 16)
+    if stored == types.float32:
+        return lambda stored: stored
+    return None

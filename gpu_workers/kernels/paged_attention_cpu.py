@@ -17,14 +17,14 @@ returned in q's dtype; the exp is within 5 float32 ulps). Compiled on first use,
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numba
 import numpy as np
 import torch
-from numba import types
-from numba.extending import overload
 
-from gpu_workers.kernels.numba_bits import as_float32, prefetch
+from gpu_workers.kernels.kv_write_cpu import _copy, _write
+from gpu_workers.kernels.numba_bits import as_float32, prefetch, widen
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
 _JIT = {
@@ -58,23 +58,6 @@ def _prefetch_page(slots, first_slot, head, page_size, line):
         start = ((first_slot + o) * kv_heads + head) * dim
         for e in range(0, dim, line):
             prefetch(slots, start + e)
-
-
-def _value(stored):
-    """The fp32 value of one stored cache element (typed by what the cache stores; see the overload)."""
-
-
-@overload(_value)
-def _value_of(stored):
-    if stored == types.uint8:  # e4m3 bits: fields into bf16's, 2^120 below the value
-        return lambda stored: as_float32(
-            (((np.uint32(stored) & 0x7F) << 4) | ((np.uint32(stored) & 0x80) << 8)) << 16
-        )
-    if stored == types.uint16:  # bf16 bits are the high half of fp32's
-        return lambda stored: as_float32(np.uint32(stored) << 16)
-    if stored == types.float32:
-        return lambda stored: stored
-    return None
 
 
 @numba.njit(**_JIT)
@@ -111,7 +94,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
         for hq in range(heads):
             h = hq // group
             for d in range(dim):
-                qs[d] = q[b, hq, d] * (scale * half_offset)
+                qs[d] = widen(q[b, hq, d]) * (scale * half_offset)
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
@@ -129,10 +112,10 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                     s3 = np.float32(0.0)
                     for d in range(dim):
                         x = qs[d]
-                        s0 += x * _value(k[base + o, h, d])
-                        s1 += x * _value(k[base + o + 1, h, d])
-                        s2 += x * _value(k[base + o + 2, h, d])
-                        s3 += x * _value(k[base + o + 3, h, d])
+                        s0 += x * widen(k[base + o, h, d])
+                        s1 += x * widen(k[base + o + 1, h, d])
+                        s2 += x * widen(k[base + o + 2, h, d])
+                        s3 += x * widen(k[base + o + 3, h, d])
                     t = t0 + o - lo
                     probs[0, t] = s0 * factor
                     probs[0, t + 1] = s1 * factor
@@ -142,7 +125,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 for r in range(o, end):  # the page's last positions, one at a time
                     s = np.float32(0.0)
                     for d in range(dim):
-                        s += qs[d] * _value(k[base + r, h, d])
+                        s += qs[d] * widen(k[base + r, h, d])
                     probs[0, t0 + r - lo] = s * factor
             top = probs[0, 0]
             for t in range(1, m):
@@ -168,14 +151,14 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                     w2 = probs[0, t + 2] * factor
                     w3 = probs[0, t + 3] * factor
                     for d in range(dim):
-                        acc[d] += (w0 * _value(v[base + o, h, d]) + w1 * _value(v[base + o + 1, h, d])) + (
-                            w2 * _value(v[base + o + 2, h, d]) + w3 * _value(v[base + o + 3, h, d])
+                        acc[d] += (w0 * widen(v[base + o, h, d]) + w1 * widen(v[base + o + 1, h, d])) + (
+                            w2 * widen(v[base + o + 2, h, d]) + w3 * widen(v[base + o + 3, h, d])
                         )
                     o += 4
                 for r in range(o, end):
                     w = probs[0, t0 + r - lo] * factor
                     for d in range(dim):
-                        acc[d] += w * _value(v[base + r, h, d])
+                        acc[d] += w * widen(v[base + r, h, d])
             for d in range(dim):
                 out[b, hq, d] = acc[d] * half_offset
 
@@ -185,10 +168,13 @@ def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
     return k_slots.device.type == "cpu" and k_slots.dtype in _STORED and k_slots.shape[-1] == q.shape[-1]
 
 
-def _stored(slots: torch.Tensor) -> np.ndarray:
-    if slots.dtype == torch.bfloat16:  # numpy has no bfloat16: hand the kernel its bits
-        return slots.view(torch.int16).numpy().view(np.uint16)
-    return slots.numpy()
+def host_array(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the numpy array the kernels read, sharing its memory (bf16 as its bits: numpy has no
+    bfloat16)."""
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
 
 
 @functools.lru_cache(maxsize=8)
@@ -223,8 +209,8 @@ def paged_decode_attention_cpu(
     out = torch.empty(q.shape, dtype=torch.float32)
     _decode(
         q.detach().float().contiguous().numpy(),
-        _stored(k_slots.detach().contiguous()),
-        _stored(v_slots.detach().contiguous()),
+        host_array(k_slots.contiguous()),
+        host_array(v_slots.contiguous()),
         block_tables.contiguous().numpy(),
         seq_lens.contiguous().numpy(),
         page_size,
@@ -235,3 +221,124 @@ def paged_decode_attention_cpu(
         out.numpy(),
     )
     return out.to(q.dtype)
+
+
+# -- one call per layer for a decode-only step: write the new K/V, then attend -------------------------------
+
+
+class CacheLayer(NamedTuple):
+    """One layer of a CPU cache as the kernels read it: slots and per-page scales (ones when unquantised)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_scale: np.ndarray
+    v_scale: np.ndarray
+    fp8: bool
+    dynamic: bool  # FP8 pages take their scale when opened (no static scales)
+
+
+class DecodeStep(NamedTuple):
+    """A decode-only step's rows (token i is row i) as the kernels read them."""
+
+    slot_mapping: np.ndarray  # [B] int64
+    token_seq: np.ndarray  # [B] int64
+    prev_page: np.ndarray  # [B] int64
+    tables: np.ndarray  # [B, P] int32
+    lens: np.ndarray  # [B] int32
+    page_size: int
+
+
+def cache_layer(
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    num_pages: int,
+    dynamic: bool,
+) -> CacheLayer:
+    """``CacheLayer`` of one layer's slots [slots, kv_heads, dim] and FP8 page scales [pages] (None when
+    unquantised); the arrays share the tensors' memory, so one is made per layer and kept."""
+    fp8 = k_slots.dtype == torch.uint8
+    scales = (host_array(k_scale), host_array(v_scale)) if fp8 else (_unit_scales(num_pages),) * 2
+    return CacheLayer(host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _fp8_step(
+    q,
+    k,
+    v,
+    layer_k,
+    layer_v,
+    k_scale,
+    v_scale,
+    step_slots,
+    page_size,
+    token_seq,
+    prev_page,
+    dynamic,
+    tables,
+    lens,
+    scale,
+    window,
+    out,
+):
+    _write(k, layer_k, step_slots, k_scale, page_size, token_seq, prev_page, dynamic)
+    _write(v, layer_v, step_slots, v_scale, page_size, token_seq, prev_page, dynamic)
+    _decode(
+        q, layer_k, layer_v, tables, lens, page_size, scale, window, k_scale, v_scale, _HALF_FP8_OFFSET, out
+    )
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out):
+    _copy(k, layer_k, step_slots)
+    _copy(v, layer_v, step_slots)
+    _decode(q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), out)
+
+
+def write_and_decode_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: CacheLayer,
+    step: DecodeStep,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """A decode-only step's attention for one layer in one kernel call: ``KVCache.write`` of k, v [B,
+    kv_heads, dim] (FP8 pages opened and quantised as ``write_kv_fp8_cpu`` does; unquantised caches take
+    them as they are, so k and v must be in the cache's dtype), then ``paged_decode_attention_cpu`` of q
+    [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    args = (host_array(q), host_array(k), host_array(v), layer.k, layer.v)
+    window = sliding_window or 0
+    if layer.fp8:
+        _fp8_step(
+            *args,
+            layer.k_scale,
+            layer.v_scale,
+            step.slot_mapping,
+            step.page_size,
+            step.token_seq,
+            step.prev_page,
+            layer.dynamic,
+            step.tables,
+            step.lens,
+            np.float32(scale),
+            window,
+            out.numpy(),
+        )
+    else:
+        _plain_step(
+            *args,
+            layer.k_scale,
+            step.slot_mapping,
+            step.page_size,
+            step.tables,
+            step.lens,
+            np.float32(scale),
+            window,
+            out.numpy(),
+        )
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gpu_workers.kernels import use_cpu_kernels
 from gpu_workers.kernels.paged_attention import paged_attention
 from gpu_workers.kv.cache import KVCache, WriteSpans
 
@@ -199,11 +200,15 @@ def _on_cpu(device: torch.device | str) -> bool:
 
 
 class PagedAttention:
-    """The attention a model layer calls during one step: write the new K/V, then attend through pages."""
+    """The attention a model layer calls during one step: write the new K/V, then attend through pages.
+
+    A decode-only step on the CPU kernels does both in one kernel call per layer
+    (``paged_attention_cpu.write_and_decode_cpu``); every other step writes, then attends."""
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
         self.cache = cache
         self.meta = meta
+        self._decode_step = _cpu_decode_step(cache, meta)
 
     def __call__(
         self,
@@ -214,7 +219,38 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if self._decode_step is not None and (self.cache.quantized or k.dtype == self.cache.dtype):
+            from gpu_workers.kernels.paged_attention_cpu import write_and_decode_cpu
+
+            layer_arrays = self.cache.host_layer(layer)
+            return write_and_decode_cpu(q, k, v, layer_arrays, self._decode_step, scale, sliding_window)
         self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
         k_slots, v_slots = self.cache.layer(layer)
         k_scale, v_scale = self.cache.layer_scales(layer)
         return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)
+
+
+def _cpu_decode_step(cache: KVCache, meta: AttentionMetadata):
+    """The step's rows for ``write_and_decode_cpu`` (``paged_attention_cpu.DecodeStep``) when it serves this
+    step: decode rows only, on the CPU kernels, K and V stored whole-entry (no bf16 tail) in a format the
+    kernel reads; else None."""
+    decode = meta.decode
+    if decode is None or meta.prefill or meta.spans is None or cache.spec.tensors != 2 or cache.tail:
+        return None
+    if not use_cpu_kernels(meta.slot_mapping.device) or cache.k.dtype not in (
+        torch.uint8,
+        torch.bfloat16,
+        torch.float32,
+    ):
+        return None
+    from gpu_workers.kernels.paged_attention_cpu import DecodeStep
+
+    tables, lens = decode.int32_tables()
+    return DecodeStep(
+        meta.slot_mapping.numpy(),
+        meta.spans.token_seq.numpy(),
+        meta.spans.prev_page.numpy(),
+        tables.numpy(),
+        lens.numpy(),
+        meta.page_size,
+    )

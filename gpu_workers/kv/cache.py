@@ -91,6 +91,9 @@ class KVCache:
             self.v_scale = _per_page(scales.v_scale if scales else ones, num_pages, device)
             if spec.v_is_k:
                 self.v_scale = self.k_scale
+        self._host_layers: list | None = (
+            None  # kernels.paged_attention_cpu.CacheLayer per layer, on first use
+        )
 
     @staticmethod
     def page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
@@ -131,6 +134,18 @@ class KVCache:
         k = self.k[layer].view(-1, self.spec.num_kv_heads, width)
         v = self.v[layer].view(-1, self.spec.num_kv_heads, width)
         return k, v
+
+    def host_layer(self, layer: int):
+        """One layer's slots and scales as the CPU kernels read them (``paged_attention_cpu.CacheLayer``);
+        numpy views of this cache's tensors, made once."""
+        if self._host_layers is None:
+            from gpu_workers.kernels.paged_attention_cpu import cache_layer
+
+            self._host_layers = [
+                cache_layer(*self.layer(i), *self.layer_scales(i), self.num_pages, self.static_scales is None)
+                for i in range(self.spec.num_layers)
+            ]
+        return self._host_layers[layer]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-page K and V scales [pages] of one layer; None for an unquantised cache."""
