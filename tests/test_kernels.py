@@ -191,10 +191,13 @@ def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_d
     ],
 )
 @pytest.mark.parametrize("window", [None, 5])
-def test_a_decode_step_in_one_cpu_call_equals_write_then_attend(monkeypatch, kv_dtype, dtype, static, window):
-    """A decode-only step's attention on the CPU: one kernel call per layer writes K/V and attends, from q/k/v
-    as the model hands them over (views into one fused projection output), and leaves the cache (scales
-    included) and the output bit for bit as the write and the attention apart do."""
+def test_a_decode_step_in_one_cpu_call_equals_rotate_write_then_attend(
+    monkeypatch, kv_dtype, dtype, static, window
+):
+    """A decode-only step's attention on the CPU, one kernel call per layer: from q/k/v as the model hands
+    them over (views into one fused projection output), or from that output with the rotation inside the
+    call. Both leave the cache (scales included) and the output bit for bit as the rotation, the write
+    and the attention apart do."""
     import gpu_workers.kernels.paged_attention_cpu as cpu
     from gpu_workers.checkpoint import RopeConfig
     from gpu_workers.kv import PagedAttention
@@ -207,7 +210,7 @@ def test_a_decode_step_in_one_cpu_call_equals_write_then_attend(monkeypatch, kv_
     tables = [[3, 9, 1, 7], [0, 2, 14], [5, 6, 4, 8, 10], [11], [12, 13]]
     done = [12, 8, 16, 3, 4]  # decode tokens land mid-page, open a page (12, 8, 16, 4) or fill one
     gen = torch.Generator().manual_seed(5)
-    caches = [KVCache(spec, 16, page_size, kv_dtype, scales=scales) for _ in range(2)]
+    caches = [KVCache(spec, 16, page_size, kv_dtype, scales=scales) for _ in range(3)]
     full = AttentionMetadata.build(tables, done, done, page_size)
     kv = [torch.randn(full.num_tokens, 2, 16, generator=gen).to(dtype) for _ in range(2)]
     for cache in caches:
@@ -216,23 +219,29 @@ def test_a_decode_step_in_one_cpu_call_equals_write_then_attend(monkeypatch, kv_
     meta = AttentionMetadata.build(tables, [d + 1 for d in done], [1] * len(done), page_size)
     cos, sin = RotaryEmbedding(RopeConfig(), 16)(torch.tensor(done), dtype)
     calls = []
-    kernel = cpu.write_and_decode_cpu
-    monkeypatch.setattr(cpu, "write_and_decode_cpu", lambda *a: calls.append(1) or kernel(*a))
+    for name in ("write_and_decode_cpu", "rotate_write_and_decode_cpu"):
+        kernel = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, kernel=kernel, name=name: calls.append(name) or kernel(*a))
     for layer in range(2):
         qkv = (torch.randn(len(done), (heads + 4) * 16, generator=gen) * 3).to(dtype)
         qk = apply_rotary(qkv[:, : (heads + 2) * 16].view(-1, heads + 2, 16), cos, sin)
         q, k = qk.split([heads, 2], dim=1)
         v = qkv[:, (heads + 2) * 16 :].view(-1, 2, 16)
         called = PagedAttention(caches[0], meta)(layer, q, k, v, 0.25, window)
-        apart = caches[1]
+        rotated = PagedAttention(caches[1], meta).rotate_and_attend(
+            layer, qkv, cos, sin, heads, 2, 0.25, window
+        )
+        apart = caches[2]
         apart.write(layer, k, v, meta.slot_mapping, meta.spans)
         expected = paged_attention(q, *apart.layer(layer), meta, 0.25, window, *apart.layer_scales(layer))
-        assert called.dtype == dtype and torch.equal(called, expected)
-    assert len(calls) == 2
-    ours, theirs = caches
-    assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
-    if kv_dtype == torch.float8_e4m3fn:
-        assert torch.equal(ours.k_scale, theirs.k_scale) and torch.equal(ours.v_scale, theirs.v_scale)
+        assert called.dtype == rotated.dtype == dtype
+        assert torch.equal(called, expected) and torch.equal(rotated, expected)
+    assert calls == ["write_and_decode_cpu", "rotate_write_and_decode_cpu"] * 2
+    for ours in caches[:2]:
+        theirs = caches[2]
+        assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
+        if kv_dtype == torch.float8_e4m3fn:
+            assert torch.equal(ours.k_scale, theirs.k_scale) and torch.equal(ours.v_scale, theirs.v_scale)
 
 
 def test_kv_write_bf16_scatters_exactly():

@@ -66,3 +66,24 @@ def _widen(stored):
     if stored == types.float32:
         return lambda stored: stored
     return None
+
+
+def narrow(value, like):
+    """The float32 ``value`` in the element type of the array ``like`` (see the overload): bf16 bits
+    (uint16) rounded to nearest even as torch's CPU conversion rounds, or float32 as it is."""
+
+
+@overload(narrow)
+def _narrow(value, like):
+    if like.dtype == types.uint16:
+
+        def to_bf16(value, like):
+            bits = as_uint32(value)
+            if value != value:
+                return np.uint16(0xFFFF)  # the NaN torch's vectorised conversion gives
+            return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16)
+
+        return to_bf16
+    if like.dtype == types.float32:
+        return lambda value, like: value
+    return None

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gpu_workers.kernels.kv_write_cpu import _copy, _write
-from gpu_workers.kernels.numba_bits import as_float32, prefetch, widen
+from gpu_workers.kernels.numba_bits import as_float32, narrow, prefetch, widen
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
 _JIT = {
@@ -342,3 +342,146 @@ def write_and_decode_cpu(
             out.numpy(),
         )
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rotate(qkv, cos, sin, heads, kv_heads):
+    """q [T, heads, dim] and k [T, kv_heads, dim] of a fused projection's output [T, (heads + 2 kv_heads) *
+    dim], rotated as ``model.rotary.apply_rotary`` rotates them, in qkv's element type and rounded as
+    torch rounds each of its ops there (x*cos, rotate_half(x)*sin, their sum)."""
+    tokens, dim = qkv.shape[0], cos.shape[1]
+    half = dim // 2
+    q = np.empty((tokens, heads, dim), qkv.dtype)
+    k = np.empty((tokens, kv_heads, dim), qkv.dtype)
+    for t in range(tokens):
+        for h in range(heads + kv_heads):
+            base = h * dim
+            for d in range(dim):
+                turned = -widen(qkv[t, base + d + half]) if d < half else widen(qkv[t, base + d - half])
+                a = widen(narrow(widen(qkv[t, base + d]) * widen(cos[t, d]), qkv))
+                b = widen(narrow(turned * widen(sin[t, d]), qkv))
+                if h < heads:
+                    q[t, h, d] = narrow(a + b, qkv)
+                else:
+                    k[t, h - heads, d] = narrow(a + b, qkv)
+    return q, k
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_fp8_step(
+    qkv,
+    cos,
+    sin,
+    heads,
+    kv_heads,
+    v,
+    layer_k,
+    layer_v,
+    k_scale,
+    v_scale,
+    step_slots,
+    page_size,
+    token_seq,
+    prev_page,
+    dynamic,
+    tables,
+    lens,
+    scale,
+    window,
+    out,
+):
+    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
+    _fp8_step(
+        q,
+        k,
+        v,
+        layer_k,
+        layer_v,
+        k_scale,
+        v_scale,
+        step_slots,
+        page_size,
+        token_seq,
+        prev_page,
+        dynamic,
+        tables,
+        lens,
+        scale,
+        window,
+        out,
+    )
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_plain_step(
+    qkv,
+    cos,
+    sin,
+    heads,
+    kv_heads,
+    v,
+    layer_k,
+    layer_v,
+    ones,
+    step_slots,
+    page_size,
+    tables,
+    lens,
+    scale,
+    window,
+    out,
+):
+    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
+    _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out)
+
+
+def rotate_write_and_decode_cpu(
+    qkv: torch.Tensor,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    heads: int,
+    kv_heads: int,
+    layer: CacheLayer,
+    step: DecodeStep,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``write_and_decode_cpu`` from a fused q/k/v projection's output [B, (heads + 2 kv_heads) * dim], q and
+    k rotated first (``cos``, ``sin`` [B, dim]: ``host_array`` of the rotary tables, in qkv's dtype) exactly
+    as ``model.rotary.apply_rotary`` rotates them: the q/k/v split, the rotation, the K/V write and the
+    attention in one kernel call. Returns [B, heads, dim] in qkv's dtype."""
+    tokens, dim = qkv.shape[0], cos.shape[1]
+    packed = host_array(qkv)
+    v = packed[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)  # a view: no copy
+    out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+    head = (packed, cos, sin, heads, kv_heads, v, layer.k, layer.v)
+    window = sliding_window or 0
+    if layer.fp8:
+        _rope_fp8_step(
+            *head,
+            layer.k_scale,
+            layer.v_scale,
+            step.slot_mapping,
+            step.page_size,
+            step.token_seq,
+            step.prev_page,
+            layer.dynamic,
+            step.tables,
+            step.lens,
+            np.float32(scale),
+            window,
+            out.numpy(),
+        )
+    else:
+        _rope_plain_step(
+            *head,
+            layer.k_scale,
+            step.slot_mapping,
+            step.page_size,
+            step.tables,
+            step.lens,
+            np.float32(scale),
+            window,
+            out.numpy(),
+        )
+    return out if qkv.dtype == torch.float32 else out.to(qkv.dtype)

@@ -209,6 +209,48 @@ class PagedAttention:
         self.cache = cache
         self.meta = meta
         self._decode_step = _cpu_decode_step(cache, meta)
+        self._rotary: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = (
+            None  # cos, and the tables as arrays
+        )
+
+    def rotate_and_attend(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor | None:
+        """From a fused q/k/v projection [T, (heads + 2 kv_heads) * dim]: rotate q and k by ``cos``/``sin``
+        [T, dim] (``model.rotary.apply_rotary``), then ``self(...)``, in one kernel call where a decode-only
+        step on the CPU kernels allows it; None where it does not (the caller then rotates and calls)."""
+        if self._decode_step is None or not (self.cache.quantized or qkv.dtype == self.cache.dtype):
+            return None
+        if (
+            qkv.dtype != cos.dtype
+            or not qkv.is_contiguous()
+            or qkv.shape[1] != (heads + 2 * kv_heads) * cos.shape[1]
+        ):
+            return None
+        from gpu_workers.kernels.paged_attention_cpu import host_array, rotate_write_and_decode_cpu
+
+        if self._rotary is None or self._rotary[0] is not cos:  # every layer gets the step's same tables
+            self._rotary = (cos, host_array(cos.contiguous()), host_array(sin.contiguous()))
+        _, cos_array, sin_array = self._rotary
+        return rotate_write_and_decode_cpu(
+            qkv,
+            cos_array,
+            sin_array,
+            heads,
+            kv_heads,
+            self.cache.host_layer(layer),
+            self._decode_step,
+            scale,
+            sliding_window,
+        )
 
     def __call__(
         self,

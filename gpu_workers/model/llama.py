@@ -19,7 +19,10 @@ from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V to the cache and attends through it (``gpu_workers.kv.PagedAttention``)."""
+    """Writes this step's K/V to the cache and attends through it (``gpu_workers.kv.PagedAttention``).
+
+    A backend may also offer ``rotate_and_attend(layer, qkv, cos, sin, heads, kv_heads, scale,
+    sliding_window)``: the same from a fused q/k/v projection, rotation included, or None where it cannot."""
 
     def __call__(
         self,
@@ -61,8 +64,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None and self.q_norm is None:
-            # q and k sit side by side in the fused output: rotate them in one go.
             qkv = self.qkv_proj(x)
+            # A backend that can split, rotate, write and attend in one go (a decode step on the CPU).
+            fused = getattr(attn, "rotate_and_attend", None)
+            o = (
+                None
+                if fused is None
+                else fused(self.layer_idx, qkv, cos, sin, heads, kv_heads, self.scale, self.sliding_window)
+            )
+            if o is not None:
+                return self.o_proj(o.reshape(tokens, heads * self.head_dim))
+            # q and k sit side by side in the fused output: rotate them in one go.
             qk = qkv[:, : (heads + kv_heads) * self.head_dim].view(tokens, heads + kv_heads, self.head_dim)
             q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
             v = qkv[:, (heads + kv_heads) * self.head_dim :].view(tokens, kv_heads, self.head_dim)
