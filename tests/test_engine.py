@@ -436,3 +436,33 @@ def test_text_the_tokenizer_cannot_encode_finishes_with_an_error_instead_of_rais
     assert out.finish_reason == "error"
     assert out.error.code == "invalid_prompt"
     assert "U+D800" in out.error.message and "character 6" in out.error.message
+
+
+@pytest.mark.parametrize(("kv", "max_tokens"), [("fp8_e4m3", 3), ("auto", 3), ("fp8_e4m3", 1)])
+def test_warm_up_runs_the_decode_kernels_and_leaves_no_trace(tiny_llama_dir, monkeypatch, kv, max_tokens):
+    """A worker's warm-up request reaches the CPU decode kernel (when it decodes) and leaves the engine as
+    it was: counters, prefix-cache statistics and free pages unchanged, and the same greedy tokens after."""
+    import gpu_workers.kernels.paged_attention_cpu as cpu
+
+    calls = []
+    kernel = cpu.rotate_write_and_decode_cpu
+    monkeypatch.setattr(cpu, "rotate_write_and_decode_cpu", lambda *a: calls.append(1) or kernel(*a))
+    engine = make_engine(tiny_llama_dir, kv_cache_dtype=kv)
+    before = engine.stats()
+    assert engine.warm_up(max_tokens=max_tokens) > 0
+    after = engine.stats()
+    for key in (
+        "steps",
+        "generated_tokens",
+        "computed_tokens",
+        "prefix_cache_query_tokens",
+        "prefix_cache_hit_tokens",
+    ):
+        assert after[key] == before[key], key
+    assert after["running"] == after["waiting"] == 0
+    assert engine.pages.num_free == engine.pages.num_pages  # cached prefix pages count as free
+    layers = engine.model.config.num_layers
+    assert len(calls) == (max_tokens - 1) * layers  # every decode step, every layer; none for prefill only
+    prompts = mixed_prompts(8, seed=3)
+    cold = make_engine(tiny_llama_dir, kv_cache_dtype=kv).generate(prompts, GREEDY)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [o.token_ids for o in cold]

@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -181,6 +182,27 @@ class Engine:
                 with self._work:
                     self._work.wait(timeout=0.05)
         return [s.output() for s in seqs]
+
+    def warm_up(self, max_tokens: int = 3) -> float:
+        """Run one throwaway request (a prompt of two pages and a token, ``max_tokens`` greedy tokens: a
+        prefill step, then decode steps) before serving, so that what a first step builds, the CPU
+        kernels compiled or loaded from numba's cache and oneDNN's primitives, is built before a user's
+        request waits on it. The counters are left as they were and its pages are freed (its prefix-cache
+        entries carry a salt no request shares). Call it before ``start``. Returns the seconds it took."""
+        begin = time.perf_counter()
+        counters = dict(self._counters)
+        cache = self.pages.prefix_cache
+        queried = (cache.query_tokens, cache.hit_tokens) if cache is not None else None
+        length = min(2 * self.config.page_size + 1, self.max_model_len - max_tokens)
+        vocab = self.model.config.vocab_size
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        [output] = self.generate([[(11 + 7 * i) % vocab for i in range(length)]], params)
+        if output.error is not None:
+            raise RuntimeError(f"the warm-up request failed: {output.error.message}")
+        self._counters.update(counters)
+        if cache is not None and queried is not None:
+            cache.query_tokens, cache.hit_tokens = queried
+        return time.perf_counter() - begin
 
     def stream(
         self,

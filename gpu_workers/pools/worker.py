@@ -116,6 +116,13 @@ def run_worker(
     successor_first = os.environ.get(SUCCESSOR_FIRST_ENV) == "1"
     config = engine_config(spec, pool, secret, device)
     engine = Engine.from_pretrained(spec.checkpoint, config)
+    # A prefill worker's requests end at their first token; decode and serve workers also run decode steps.
+    warm_s = engine.warm_up(max_tokens=1 if pool == "prefill" else 3)
+    log.info(
+        "worker %s: engine warmed up in %.2f s (kernels compiled or loaded, before the first request)",
+        worker_id,
+        warm_s,
+    )
     app = make_celery(redis_url)
     store = HandoffStore(client)
     decode_format = engine_config(spec, "decode", secret).kv_dtype if pool == "prefill" else None
