@@ -22,6 +22,8 @@ from gpu_workers.kv.cache import KVCache, WriteSpans
 # Decode rows gathered together are padded to the longest; rows sorted by length and split into a few
 # groups of at least this many pad far less, for one more attention call per group.
 DECODE_GROUPS, MIN_GROUP_ROWS = 4, 8
+# What the CPU decode kernel reads: FP8 bits, BF16, fp32.
+_KERNEL_STORED = (torch.uint8, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -209,9 +211,13 @@ class PagedAttention:
         self.cache = cache
         self.meta = meta
         self._decode_step = _cpu_decode_step(cache, meta)
-        self._rotary: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = (
-            None  # cos, and the tables as arrays
-        )
+        # The step's cos tensor and its rotary tables as arrays: every layer gets the same ones.
+        self._rotary: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
+
+    def _one_call(self, dtype: torch.dtype) -> bool:
+        """Whether this layer's write and attention run as one CPU kernel call: a decode-only step the
+        kernel serves, with new K/V it can store (quantised, or already in the cache's dtype)."""
+        return self._decode_step is not None and (self.cache.quantized or dtype == self.cache.dtype)
 
     def rotate_and_attend(
         self,
@@ -227,17 +233,14 @@ class PagedAttention:
         """From a fused q/k/v projection [T, (heads + 2 kv_heads) * dim]: rotate q and k by ``cos``/``sin``
         [T, dim] (``model.rotary.apply_rotary``), then ``self(...)``, in one kernel call where a decode-only
         step on the CPU kernels allows it; None where it does not (the caller then rotates and calls)."""
-        if self._decode_step is None or not (self.cache.quantized or qkv.dtype == self.cache.dtype):
+        dim = cos.shape[1]
+        if not self._one_call(qkv.dtype) or qkv.dtype != cos.dtype or not qkv.is_contiguous():
             return None
-        if (
-            qkv.dtype != cos.dtype
-            or not qkv.is_contiguous()
-            or qkv.shape[1] != (heads + 2 * kv_heads) * cos.shape[1]
-        ):
+        if qkv.shape[1] != (heads + 2 * kv_heads) * dim:
             return None
         from gpu_workers.kernels.paged_attention_cpu import host_array, rotate_write_and_decode_cpu
 
-        if self._rotary is None or self._rotary[0] is not cos:  # every layer gets the step's same tables
+        if self._rotary is None or self._rotary[0] is not cos:
             self._rotary = (cos, host_array(cos.contiguous()), host_array(sin.contiguous()))
         _, cos_array, sin_array = self._rotary
         return rotate_write_and_decode_cpu(
@@ -261,7 +264,7 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if self._decode_step is not None and (self.cache.quantized or k.dtype == self.cache.dtype):
+        if self._one_call(k.dtype):
             from gpu_workers.kernels.paged_attention_cpu import write_and_decode_cpu
 
             layer_arrays = self.cache.host_layer(layer)
@@ -279,11 +282,7 @@ def _cpu_decode_step(cache: KVCache, meta: AttentionMetadata):
     decode = meta.decode
     if decode is None or meta.prefill or meta.spans is None or cache.spec.tensors != 2 or cache.tail:
         return None
-    if not use_cpu_kernels(meta.slot_mapping.device) or cache.k.dtype not in (
-        torch.uint8,
-        torch.bfloat16,
-        torch.float32,
-    ):
+    if not use_cpu_kernels(meta.slot_mapping.device) or cache.k.dtype not in _KERNEL_STORED:
         return None
     from gpu_workers.kernels.paged_attention_cpu import DecodeStep
 

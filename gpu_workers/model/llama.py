@@ -66,12 +66,12 @@ class Attention(nn.Module):
         if self.qkv_proj is not None and self.q_norm is None:
             qkv = self.qkv_proj(x)
             # A backend that can split, rotate, write and attend in one go (a decode step on the CPU).
-            fused = getattr(attn, "rotate_and_attend", None)
-            o = (
-                None
-                if fused is None
-                else fused(self.layer_idx, qkv, cos, sin, heads, kv_heads, self.scale, self.sliding_window)
-            )
+            rotate_and_attend = getattr(attn, "rotate_and_attend", None)
+            o = None
+            if rotate_and_attend is not None:
+                o = rotate_and_attend(
+                    self.layer_idx, qkv, cos, sin, heads, kv_heads, self.scale, self.sliding_window
+                )
             if o is not None:
                 return self.o_proj(o.reshape(tokens, heads * self.head_dim))
             # q and k sit side by side in the fused output: rotate them in one go.
