@@ -898,6 +898,25 @@ def test_readyz_needs_a_live_worker_and_healthz_does_not(gw):
         assert_openai_error(gw.client.get("/readyz"), 503, "not_ready")
 
 
+def test_readyz_waits_for_every_pool_a_model_needs(gw):
+    # A disaggregated model with its prefill worker live but no decode worker cannot serve a request (a worker
+    # still warming up is not registered yet): not ready, until the decode worker is live.
+    for name, pool in ((gw.model, "decode"), (gw.colocated, "serve")):
+        gw.pools.redis.delete(workers_key(name, pool))
+    not_ready = gw.client.get("/readyz")
+    assert_openai_error(not_ready, 503, "not_ready")
+    assert not_ready.json()["checks"] == {
+        "database": "ok",
+        "redis": "ok",
+        "live_workers": 1,
+        "servable_models": 0,
+    }
+    assert "a prefill and a decode worker" in not_ready.json()["error"]["message"]
+    gw.pools.heartbeat(gw.model, "decode", "decode-1")
+    ready = gw.client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["servable_models"] == 1
+
+
 # -- client disconnects (a real server: the test client cannot hang up mid-stream) ----------------------------
 
 

@@ -1,4 +1,5 @@
-"""Liveness (``/healthz``: the process answers) and readiness (``/readyz``: DB, Redis and a live worker)."""
+"""Liveness (``/healthz``: the process answers) and readiness (``/readyz``: DB, Redis and a model whose workers
+are all live: its serve worker, or a prefill and a decode worker)."""
 
 from __future__ import annotations
 
@@ -36,17 +37,26 @@ async def readyz(request: Request) -> JSONResponse:
     try:
         await gateway.redis.ping()
         checks["redis"] = "ok"
-        live = 0
+        live, servable = 0, 0
         for model in models:
-            for pool in POOLS:
-                live += len(
+            counts = {
+                pool: len(
                     await routing.live_workers(
                         gateway.redis, model, pool, gateway.settings.worker_heartbeat_ttl_s
                     )
                 )
+                for pool in POOLS
+            }
+            live += sum(counts.values())
+            # A colocated model needs its serve worker; a disaggregated one a prefill and a decode worker.
+            servable += bool(counts["serve"] or (counts["prefill"] and counts["decode"]))
         checks["live_workers"] = live
-        if not live:
-            problems.append("no live worker for any enabled model; start one with `tessera worker`")
+        checks["servable_models"] = servable
+        if not servable:
+            problems.append(
+                "no enabled model has the live workers it needs (a serve worker, or a prefill and a decode "
+                "worker); start them with `tessera worker`"
+            )
     except Exception as e:
         checks["redis"] = "error"
         problems.append(f"redis unreachable ({type(e).__name__})")
