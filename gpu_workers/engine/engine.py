@@ -192,7 +192,7 @@ class Engine:
         begin = time.perf_counter()
         counters = dict(self._counters)
         cache = self.pages.prefix_cache
-        queried = (cache.query_tokens, cache.hit_tokens) if cache is not None else None
+        queried = (cache.query_tokens, cache.hit_tokens) if cache is not None else (0, 0)
         length = min(2 * self.config.page_size + 1, self.max_model_len - max_tokens)
         vocab = self.model.config.vocab_size
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -200,7 +200,7 @@ class Engine:
         if output.error is not None:
             raise RuntimeError(f"the warm-up request failed: {output.error.message}")
         self._counters.update(counters)
-        if cache is not None and queried is not None:
+        if cache is not None:
             cache.query_tokens, cache.hit_tokens = queried
         return time.perf_counter() - begin
 

@@ -297,6 +297,18 @@ def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, 
     _decode(q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), out)
 
 
+def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window, out) -> None:
+    """Call the FP8 or the plain kernel of ``kernels`` with its own leading arguments ``lead``, then the
+    layer's cache, the step's rows and ``out`` (fp32, what the attention writes)."""
+    fp8_kernel, plain_kernel = kernels
+    rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0, out.numpy())
+    if layer.fp8:
+        cache = (layer.k, layer.v, layer.k_scale, layer.v_scale, step.slot_mapping, step.page_size)
+        fp8_kernel(*lead, *cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
+    else:
+        plain_kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
+
+
 def write_and_decode_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -311,36 +323,8 @@ def write_and_decode_cpu(
     them as they are, so k and v must be in the cache's dtype), then ``paged_decode_attention_cpu`` of q
     [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
     out = torch.empty(q.shape, dtype=torch.float32)
-    args = (host_array(q), host_array(k), host_array(v), layer.k, layer.v)
-    window = sliding_window or 0
-    if layer.fp8:
-        _fp8_step(
-            *args,
-            layer.k_scale,
-            layer.v_scale,
-            step.slot_mapping,
-            step.page_size,
-            step.token_seq,
-            step.prev_page,
-            layer.dynamic,
-            step.tables,
-            step.lens,
-            np.float32(scale),
-            window,
-            out.numpy(),
-        )
-    else:
-        _plain_step(
-            *args,
-            layer.k_scale,
-            step.slot_mapping,
-            step.page_size,
-            step.tables,
-            step.lens,
-            np.float32(scale),
-            window,
-            out.numpy(),
-        )
+    lead = (host_array(q), host_array(k), host_array(v))
+    _run((_fp8_step, _plain_step), lead, layer, step, scale, sliding_window, out)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -368,71 +352,15 @@ def _rotate(qkv, cos, sin, heads, kv_heads):
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _rope_fp8_step(
-    qkv,
-    cos,
-    sin,
-    heads,
-    kv_heads,
-    v,
-    layer_k,
-    layer_v,
-    k_scale,
-    v_scale,
-    step_slots,
-    page_size,
-    token_seq,
-    prev_page,
-    dynamic,
-    tables,
-    lens,
-    scale,
-    window,
-    out,
-):
+def _rope_fp8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
     q, k = _rotate(qkv, cos, sin, heads, kv_heads)
-    _fp8_step(
-        q,
-        k,
-        v,
-        layer_k,
-        layer_v,
-        k_scale,
-        v_scale,
-        step_slots,
-        page_size,
-        token_seq,
-        prev_page,
-        dynamic,
-        tables,
-        lens,
-        scale,
-        window,
-        out,
-    )
+    _fp8_step(q, k, v, *rest)
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _rope_plain_step(
-    qkv,
-    cos,
-    sin,
-    heads,
-    kv_heads,
-    v,
-    layer_k,
-    layer_v,
-    ones,
-    step_slots,
-    page_size,
-    tables,
-    lens,
-    scale,
-    window,
-    out,
-):
+def _rope_plain_step(qkv, cos, sin, heads, kv_heads, v, *rest):
     q, k = _rotate(qkv, cos, sin, heads, kv_heads)
-    _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out)
+    _plain_step(q, k, v, *rest)
 
 
 def rotate_write_and_decode_cpu(
@@ -454,34 +382,6 @@ def rotate_write_and_decode_cpu(
     packed = host_array(qkv)
     v = packed[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)  # a view: no copy
     out = torch.empty((tokens, heads, dim), dtype=torch.float32)
-    head = (packed, cos, sin, heads, kv_heads, v, layer.k, layer.v)
-    window = sliding_window or 0
-    if layer.fp8:
-        _rope_fp8_step(
-            *head,
-            layer.k_scale,
-            layer.v_scale,
-            step.slot_mapping,
-            step.page_size,
-            step.token_seq,
-            step.prev_page,
-            layer.dynamic,
-            step.tables,
-            step.lens,
-            np.float32(scale),
-            window,
-            out.numpy(),
-        )
-    else:
-        _rope_plain_step(
-            *head,
-            layer.k_scale,
-            step.slot_mapping,
-            step.page_size,
-            step.tables,
-            step.lens,
-            np.float32(scale),
-            window,
-            out.numpy(),
-        )
+    lead = (packed, cos, sin, heads, kv_heads, v)
+    _run((_rope_fp8_step, _rope_plain_step), lead, layer, step, scale, sliding_window, out)
     return out if qkv.dtype == torch.float32 else out.to(qkv.dtype)

@@ -91,9 +91,8 @@ class KVCache:
             self.v_scale = _per_page(scales.v_scale if scales else ones, num_pages, device)
             if spec.v_is_k:
                 self.v_scale = self.k_scale
-        self._host_layers: list | None = (
-            None  # kernels.paged_attention_cpu.CacheLayer per layer, on first use
-        )
+        # kernels.paged_attention_cpu.CacheLayer per layer, made on first use (host_layer)
+        self._host_layers: list | None = None
 
     @staticmethod
     def page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
