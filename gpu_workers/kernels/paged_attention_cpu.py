@@ -7,7 +7,10 @@ into bf16's: exact, 2^120 below their value, given back outside the loops), BF16
 fp32's) or fp32, widened inside the dot products rather than into a tile. Scores for four positions are
 summed at once (four independent reductions), softmax in fp32 over the row's own positions with a
 vectorisable exp, then V four positions at a time; the next pages are prefetched, since a pool's pages
-sit anywhere in memory. The page scales multiply a page's scores and its probabilities, as the Triton
+sit anywhere in memory. A KV head's query heads (its GQA group) are served together, so each K and V
+position is read once for the group, not once per query head; FP8 positions are widened once into a
+four-position tile that every head of the group reads (widening e4m3 costs more than the tile). Each query
+head's sums keep their order, so the result is the same bits as a head-at-a-time walk. The page scales multiply a page's scores and its probabilities, as the Triton
 kernel does: scalar multiplies per position, not per element. No padding, no mask, no copies.
 
 Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
@@ -81,20 +84,24 @@ def _exp(x):
 @numba.njit(**_JIT)
 def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, out):
     rows, heads, dim = q.shape
-    group = heads // k.shape[1]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
     line = 64 // k.itemsize  # values to a cache line
-    probs = np.empty((1, tables.shape[1] * page_size), np.float32)  # row 0: the row's positions from lo
-    acc = np.empty(dim, np.float32)
-    qs = np.empty(dim, np.float32)
+    probs = np.empty((group, tables.shape[1] * page_size), np.float32)  # per query head: positions from lo
+    acc = np.empty((group, dim), np.float32)
+    qs = np.empty((group, dim), np.float32)
+    vals = np.empty((4, dim), np.float32)  # four positions of one KV head, widened once for its whole group
+    inv = np.empty(group, np.float32)
+    tiled = k.itemsize == 1 and group > 1  # FP8: widening costs more than the tile's stores and loads
     for b in range(rows):
         n = lens[b]
         lo = n - window if 0 < window < n else 0
         first, last = lo // page_size, (n + page_size - 1) // page_size
         m = n - lo
-        for hq in range(heads):
-            h = hq // group
-            for d in range(dim):
-                qs[d] = widen(q[b, hq, d]) * (scale * half_offset)
+        for h in range(kv_heads):
+            for g in range(group):
+                for d in range(dim):
+                    qs[g, d] = widen(q[b, h * group + g, d]) * (scale * half_offset)
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
@@ -102,65 +109,100 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 base = page * page_size
                 if p + _PAGES_AHEAD < last:
                     _prefetch_page(k, tables[b, p + _PAGES_AHEAD] * page_size, h, page_size, line)
-                if hq % group == 0:
-                    _prefetch_page(v, base, h, page_size, line)
+                _prefetch_page(v, base, h, page_size, line)
                 o = start
-                while o + 4 <= end:  # four independent sums: their reductions overlap, not queue
-                    s0 = np.float32(0.0)
-                    s1 = np.float32(0.0)
-                    s2 = np.float32(0.0)
-                    s3 = np.float32(0.0)
-                    for d in range(dim):
-                        x = qs[d]
-                        s0 += x * widen(k[base + o, h, d])
-                        s1 += x * widen(k[base + o + 1, h, d])
-                        s2 += x * widen(k[base + o + 2, h, d])
-                        s3 += x * widen(k[base + o + 3, h, d])
+                while o + 4 <= end:
+                    if tiled:
+                        for d in range(dim):
+                            vals[0, d] = widen(k[base + o, h, d])
+                            vals[1, d] = widen(k[base + o + 1, h, d])
+                            vals[2, d] = widen(k[base + o + 2, h, d])
+                            vals[3, d] = widen(k[base + o + 3, h, d])
                     t = t0 + o - lo
-                    probs[0, t] = s0 * factor
-                    probs[0, t + 1] = s1 * factor
-                    probs[0, t + 2] = s2 * factor
-                    probs[0, t + 3] = s3 * factor
+                    for g in range(group):  # four independent sums: their reductions overlap, not queue
+                        s0 = np.float32(0.0)
+                        s1 = np.float32(0.0)
+                        s2 = np.float32(0.0)
+                        s3 = np.float32(0.0)
+                        if tiled:
+                            for d in range(dim):
+                                x = qs[g, d]
+                                s0 += x * vals[0, d]
+                                s1 += x * vals[1, d]
+                                s2 += x * vals[2, d]
+                                s3 += x * vals[3, d]
+                        else:
+                            for d in range(dim):
+                                x = qs[g, d]
+                                s0 += x * widen(k[base + o, h, d])
+                                s1 += x * widen(k[base + o + 1, h, d])
+                                s2 += x * widen(k[base + o + 2, h, d])
+                                s3 += x * widen(k[base + o + 3, h, d])
+                        probs[g, t] = s0 * factor
+                        probs[g, t + 1] = s1 * factor
+                        probs[g, t + 2] = s2 * factor
+                        probs[g, t + 3] = s3 * factor
                     o += 4
                 for r in range(o, end):  # the page's last positions, one at a time
-                    s = np.float32(0.0)
                     for d in range(dim):
-                        s += qs[d] * widen(k[base + r, h, d])
-                    probs[0, t0 + r - lo] = s * factor
-            top = probs[0, 0]
-            for t in range(1, m):
-                top = max(top, probs[0, t])
-            total = np.float32(0.0)
-            for t in range(m):
-                e = _exp(probs[0, t] - top)
-                probs[0, t] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for d in range(dim):
-                acc[d] = 0.0
+                        vals[0, d] = widen(k[base + r, h, d])
+                    for g in range(group):
+                        s = np.float32(0.0)
+                        for d in range(dim):
+                            s += qs[g, d] * vals[0, d]
+                        probs[g, t0 + r - lo] = s * factor
+            for g in range(group):
+                top = probs[g, 0]
+                for t in range(1, m):
+                    top = max(top, probs[g, t])
+                total = np.float32(0.0)
+                for t in range(m):
+                    e = _exp(probs[g, t] - top)
+                    probs[g, t] = e
+                    total += e
+                inv[g] = np.float32(1.0) / total
+                for d in range(dim):
+                    acc[g, d] = 0.0
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
-                factor = v_scale[page] * inv * half_offset
                 base = page * page_size
                 o = start
                 while o + 4 <= end:
+                    if tiled:
+                        for d in range(dim):
+                            vals[0, d] = widen(v[base + o, h, d])
+                            vals[1, d] = widen(v[base + o + 1, h, d])
+                            vals[2, d] = widen(v[base + o + 2, h, d])
+                            vals[3, d] = widen(v[base + o + 3, h, d])
                     t = t0 + o - lo
-                    w0 = probs[0, t] * factor
-                    w1 = probs[0, t + 1] * factor
-                    w2 = probs[0, t + 2] * factor
-                    w3 = probs[0, t + 3] * factor
-                    for d in range(dim):
-                        acc[d] += (w0 * widen(v[base + o, h, d]) + w1 * widen(v[base + o + 1, h, d])) + (
-                            w2 * widen(v[base + o + 2, h, d]) + w3 * widen(v[base + o + 3, h, d])
-                        )
+                    for g in range(group):
+                        factor = v_scale[page] * inv[g] * half_offset
+                        w0 = probs[g, t] * factor
+                        w1 = probs[g, t + 1] * factor
+                        w2 = probs[g, t + 2] * factor
+                        w3 = probs[g, t + 3] * factor
+                        if tiled:
+                            for d in range(dim):
+                                acc[g, d] += (w0 * vals[0, d] + w1 * vals[1, d]) + (
+                                    w2 * vals[2, d] + w3 * vals[3, d]
+                                )
+                        else:
+                            for d in range(dim):
+                                acc[g, d] += (
+                                    w0 * widen(v[base + o, h, d]) + w1 * widen(v[base + o + 1, h, d])
+                                ) + (w2 * widen(v[base + o + 2, h, d]) + w3 * widen(v[base + o + 3, h, d]))
                     o += 4
                 for r in range(o, end):
-                    w = probs[0, t0 + r - lo] * factor
                     for d in range(dim):
-                        acc[d] += w * widen(v[base + r, h, d])
-            for d in range(dim):
-                out[b, hq, d] = acc[d] * half_offset
+                        vals[0, d] = widen(v[base + r, h, d])
+                    for g in range(group):
+                        w = probs[g, t0 + r - lo] * (v_scale[page] * inv[g] * half_offset)
+                        for d in range(dim):
+                            acc[g, d] += w * vals[0, d]
+            for g in range(group):
+                for d in range(dim):
+                    out[b, h * group + g, d] = acc[g, d] * half_offset
 
 
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
