@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gpu_workers import SamplingParams
-from gpu_workers.engine.sampling import _filtered_probs, _probs, sample
+from gpu_workers.engine.sampling import _filtered_probs, _probs, first_argmax, sample
 
 
 def logits(rows: int, vocab: int = 64, seed: int = 0) -> torch.Tensor:
@@ -56,3 +56,17 @@ def test_a_seeded_row_draws_the_same_token_alone_or_in_a_batch():
     shared = torch.Generator().manual_seed(0)
     batched = sample(x, params, [torch.Generator().manual_seed(11)] + [shared] * 4)
     assert batched[0] == alone[0]
+
+
+def test_first_argmax_gives_torchs_indices_with_ties_infinities_and_nans():
+    x = logits(6, vocab=300)
+    x[1, 10] = x[1, 200] = x[1].max() + 1  # a tie: the first one wins
+    x[2, :] = 0.0  # all equal: index 0
+    x[3, 7] = float("inf")
+    x[4, 50] = float("nan")  # a NaN is the maximum, as in torch's max
+    x[4, 90] = float("nan")
+    x[5, :] = float("-inf")
+    expected = x.max(dim=-1).indices.tolist()
+    assert expected[:5] == [int(x[0].argmax()), 10, 0, 7, 50]
+    assert first_argmax(x) == expected
+    assert first_argmax(x[:, ::2]) == x[:, ::2].max(dim=-1).indices.tolist()  # a strided view

@@ -30,8 +30,7 @@ def sample(
         return []
     if histories is not None:
         logits = apply_penalties(logits, params, histories)
-    # max's indices, not argmax: the same first maximal index, ~3x faster on the CPU (54 vs 163 µs at 32 x 4096)
-    tokens = logits.max(dim=-1).indices.tolist()
+    tokens = first_argmax(logits)
     sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not sampled_rows:
         return tokens
@@ -49,9 +48,18 @@ def sample(
             noise[members[0]].exponential_(generator=generator)
         else:
             noise[members] = torch.empty(len(members), probs.shape[1]).exponential_(generator=generator)
-    for j, token in enumerate((probs / noise).max(dim=-1).indices.tolist()):
+    for j, token in enumerate(first_argmax(probs / noise)):
         tokens[sampled_rows[j]] = token
     return tokens
+
+
+def first_argmax(x: torch.Tensor) -> list[int]:
+    """Each row's first maximal index (a NaN counts as the maximum, as in torch's ``max``). On the CPU numpy's
+    SIMD argmax of fp32: 15-19 vs 150-176 µs for torch's ``max(dim=-1).indices`` at 32 x 4096 (torch's
+    ``argmax`` is as slow), the same indices."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return x.detach().contiguous().numpy().argmax(axis=-1).tolist()
+    return x.max(dim=-1).indices.tolist()
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
