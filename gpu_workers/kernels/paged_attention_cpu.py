@@ -82,6 +82,14 @@ def _exp(x):
 
 
 @numba.njit(**_JIT)
+def _widen_rows(slots, first, count, head, tile):
+    """``count`` positions of one KV head from slot ``first`` on, widened into the first rows of ``tile``."""
+    for j in range(count):
+        for d in range(tile.shape[1]):
+            tile[j, d] = widen(slots[first + j, head, d])
+
+
+@numba.njit(**_JIT)
 def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, out):
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -113,11 +121,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 o = start
                 while o + 4 <= end:
                     if tiled:
-                        for d in range(dim):
-                            vals[0, d] = widen(k[base + o, h, d])
-                            vals[1, d] = widen(k[base + o + 1, h, d])
-                            vals[2, d] = widen(k[base + o + 2, h, d])
-                            vals[3, d] = widen(k[base + o + 3, h, d])
+                        _widen_rows(k, base + o, 4, h, vals)
                     t = t0 + o - lo
                     for g in range(group):  # four independent sums: their reductions overlap, not queue
                         s0 = np.float32(0.0)
@@ -144,8 +148,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                         probs[g, t + 3] = s3 * factor
                     o += 4
                 for r in range(o, end):  # the page's last positions, one at a time
-                    for d in range(dim):
-                        vals[0, d] = widen(k[base + r, h, d])
+                    _widen_rows(k, base + r, 1, h, vals)
                     for g in range(group):
                         s = np.float32(0.0)
                         for d in range(dim):
@@ -170,11 +173,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 o = start
                 while o + 4 <= end:
                     if tiled:
-                        for d in range(dim):
-                            vals[0, d] = widen(v[base + o, h, d])
-                            vals[1, d] = widen(v[base + o + 1, h, d])
-                            vals[2, d] = widen(v[base + o + 2, h, d])
-                            vals[3, d] = widen(v[base + o + 3, h, d])
+                        _widen_rows(v, base + o, 4, h, vals)
                     t = t0 + o - lo
                     for g in range(group):
                         factor = v_scale[page] * inv[g] * half_offset
@@ -194,8 +193,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                                 ) + (w2 * widen(v[base + o + 2, h, d]) + w3 * widen(v[base + o + 3, h, d]))
                     o += 4
                 for r in range(o, end):
-                    for d in range(dim):
-                        vals[0, d] = widen(v[base + r, h, d])
+                    _widen_rows(v, base + r, 1, h, vals)
                     for g in range(group):
                         w = probs[g, t0 + r - lo] * (v_scale[page] * inv[g] * half_offset)
                         for d in range(dim):
