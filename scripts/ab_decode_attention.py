@@ -1,0 +1,67 @@
+"""This tree's CPU paged decode attention against another tree's, side by side in one process.
+
+    git archive <rev> | tar -x -C /tmp/base && python scripts/ab_decode_attention.py /tmp/base 4 2 32
+
+Arguments: the other tree, query heads, KV heads, rows. One layer, head_dim 64, pages of 16, contexts of
+100-259 positions on shuffled pages, in FP8, fp32 and BF16 KV. The two kernels must give the same bits;
+then 15 rounds of 20 calls each, alternating, and per round this tree's time over the other's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_workers.kernels import paged_attention_cpu as this
+
+
+def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
+    path = Path(base_tree) / "gpu_workers/kernels/paged_attention_cpu.py"
+    spec = importlib.util.spec_from_file_location("base_paged_attention_cpu", path)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dim, page_size = 64, 16
+    lens = torch.randint(100, 260, (rows,), dtype=torch.int32)
+    width = int(((lens + page_size - 1) // page_size).max())
+    pages = rows * width + 8
+    tables = torch.randperm(pages)[: rows * width].view(rows, width).to(torch.int32)
+    q = torch.randn(rows, heads, dim)
+    shape = (pages * page_size, kv_heads, dim)
+    for name in ("fp8", "fp32", "bf16"):
+        if name == "fp8":
+            k, v = (torch.randint(0, 0x7F, shape, dtype=torch.uint8) for _ in range(2))
+            scales = {"k_scale": torch.rand(pages) + 0.5, "v_scale": torch.rand(pages) + 0.5}
+        else:
+            dtype = torch.float32 if name == "fp32" else torch.bfloat16
+            k, v = (torch.randn(shape).to(dtype) for _ in range(2))
+            scales = {}
+
+        def call(module, k=k, v=v, scales=scales):
+            return module.paged_decode_attention_cpu(q, k, v, tables, lens, page_size, 0.125, **scales)
+
+        if not torch.equal(call(base), call(this)):
+            raise SystemExit(f"{name}: the two kernels give different results")
+        times: dict[str, list[float]] = {"base": [], "this": []}
+        for _ in range(15):
+            for label, module in (("base", base), ("this", this)):
+                start = time.perf_counter()
+                for _ in range(20):
+                    call(module)
+                times[label].append((time.perf_counter() - start) / 20 * 1e6)
+        ratios = sorted(a / b for a, b in zip(times["this"], times["base"], strict=True))
+        print(
+            f"{name} {heads}q/{kv_heads}kv {rows} rows: other {statistics.median(times['base']):.0f} us, "
+            f"this {statistics.median(times['this']):.0f} us, this/other {statistics.median(ratios):.2f} "
+            f"[{ratios[2]:.2f}, {ratios[-3]:.2f}] (same bits)"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
