@@ -3,8 +3,8 @@
     git archive <rev> | tar -x -C /tmp/base && python scripts/ab_decode_attention.py /tmp/base 4 2 32
 
 Arguments: the other tree, query heads, KV heads, rows. One layer, head_dim 64, pages of 16, contexts of
-100-259 positions on shuffled pages, in FP8, fp32 and BF16 KV. The two kernels must give the same bits;
-then 15 rounds of 20 calls each, alternating, and per round this tree's time over the other's.
+100-259 positions on shuffled pages, in FP8 (normal e4m3 values), fp32 and BF16 KV. The two kernels must
+agree to the last bits (the share that differs is printed); then 15 rounds of 20 calls each, alternating, and per round this tree's time over the other's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from gpu_workers.kernels import paged_attention_cpu as this
 
 def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
     path = Path(base_tree) / "gpu_workers/kernels/paged_attention_cpu.py"
+    # numba cannot load its disk cache of a module imported from a path (it was compiled as '<dynamic>')
+    for cached in path.parent.glob("__pycache__/paged_attention_cpu.*.nb[ic]"):
+        cached.unlink()
     spec = importlib.util.spec_from_file_location("base_paged_attention_cpu", path)
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)
@@ -36,7 +39,10 @@ def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
     shape = (pages * page_size, kv_heads, dim)
     for name in ("fp8", "fp32", "bf16"):
         if name == "fp8":
-            k, v = (torch.randint(0, 0x7F, shape, dtype=torch.uint8) for _ in range(2))
+            # e4m3 of normal values, as a page quantised to its amax holds them: random bytes would make one
+            # in 16 an e4m3 subnormal, a float32 denormal once widened, and on Intel CPUs each product with
+            # one takes a microcode assist (7-10x the whole kernel's time), which real pages rarely meet
+            k, v = (torch.randn(shape).mul(64).to(torch.float8_e4m3fn).view(torch.uint8) for _ in range(2))
             scales = {"k_scale": torch.rand(pages) + 0.5, "v_scale": torch.rand(pages) + 0.5}
         else:
             dtype = torch.float32 if name == "fp32" else torch.bfloat16
@@ -46,8 +52,10 @@ def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
         def call(module, k=k, v=v, scales=scales):
             return module.paged_decode_attention_cpu(q, k, v, tables, lens, page_size, 0.125, **scales)
 
-        if not torch.equal(call(base), call(this)):
-            raise SystemExit(f"{name}: the two kernels give different results")
+        ours, other = call(this), call(base)
+        differ = float((ours != other).float().mean())
+        if differ:  # fastmath may contract differently per code shape: a last-bit difference, no more
+            torch.testing.assert_close(ours, other, rtol=2**-20, atol=0)
         times: dict[str, list[float]] = {"base": [], "this": []}
         for _ in range(15):
             for label, module in (("base", base), ("this", this)):
@@ -59,7 +67,8 @@ def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
         print(
             f"{name} {heads}q/{kv_heads}kv {rows} rows: other {statistics.median(times['base']):.0f} us, "
             f"this {statistics.median(times['this']):.0f} us, this/other {statistics.median(ratios):.2f} "
-            f"[{ratios[2]:.2f}, {ratios[-3]:.2f}] (same bits)"
+            f"[{ratios[2]:.2f}, {ratios[-3]:.2f}] "
+            + (f"({differ:.2%} of outputs differ in their last bits)" if differ else "(same bits)")
         )
 
 
