@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig
 from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention
 from gpu_workers.model import load_model
-from gpu_workers.quant.linear import Int4Linear
+from gpu_workers.quant.linear import Fp8Linear, Int4Linear
 
 
-def prefill_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = KVCache(model.kv_spec, num_pages=8, page_size=4, dtype=torch.float32)
+def prefill_logits(model, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    cache = KVCache(model.kv_spec, num_pages=8, page_size=4, dtype=dtype)
     pages = [5, 2, 7, 0, 3, 6, 1, 4][: -(-len(ids) // 4)]
     meta = AttentionMetadata.build([pages], [len(ids)], [len(ids)], page_size=4)
     with torch.inference_mode():
@@ -30,11 +31,44 @@ def test_fused_model_computes_the_same_logits(tiny_llama_dir):
     assert torch.allclose(prefill_logits(model, ids), before, atol=1e-5)
 
 
-def test_engine_serves_fused_and_quantised_layers_stay_apart(demo_model_dir):
-    dense = Engine.from_pretrained(demo_model_dir, EngineConfig(dtype="float32", kv_budget_bytes=2**22))
-    assert dense.model.model.layers[0].self_attn.qkv_proj is not None
-    int4 = Engine.from_pretrained(
-        demo_model_dir, EngineConfig(dtype="float32", kv_budget_bytes=2**22, weights="int4")
-    )
-    attn = int4.model.model.layers[0].self_attn
-    assert attn.qkv_proj is None and isinstance(attn.q_proj, Int4Linear)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", ["int4", "fp8"])
+def test_quantised_projections_fuse_into_one_layer_of_their_format_with_the_same_logits(
+    tiny_llama_dir, weights, dtype
+):
+    """Codes, scales (and int4's zero points) stack along the output dimension, so the fused layer holds
+    the same numbers; each output column's sum runs as before, so the logits are the same bits (bf16
+    packs the dequantised fp8 weight for oneDNN, and runs int4 through torch's packed int4 kernel)."""
+    kind = {"int4": Int4Linear, "fp8": Fp8Linear}[weights]
+    model = load_model(tiny_llama_dir, dtype=dtype, weights=weights)
+    ids = [3, 17, 42, 9, 88, 5, 61, 23, 7, 100, 11]
+    apart = prefill_logits(model, ids, dtype)
+    attn = model.model.layers[0].self_attn
+    q_scales, v_scales = attn.q_proj.weight_scale, attn.v_proj.weight_scale
+    model.fuse_projections()
+    assert isinstance(attn.qkv_proj, kind) and attn.q_proj is None
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, kind)
+    assert model.model.layers[0].mlp.gate_proj is None
+    q_rows, kv_rows = attn.qkv_sizes[0], attn.qkv_sizes[1]
+    assert attn.qkv_proj.out_features == q_rows + 2 * kv_rows
+    assert torch.equal(attn.qkv_proj.weight_scale[:q_rows], q_scales)  # q's rows first, v's last
+    assert torch.equal(attn.qkv_proj.weight_scale[q_rows + kv_rows :], v_scales)
+    assert torch.equal(prefill_logits(model, ids, dtype), apart)
+
+
+def test_projections_of_different_formats_stay_apart(tiny_llama_dir):
+    model = load_model(tiny_llama_dir, weights="int4")
+    attn = model.model.layers[0].self_attn
+    attn.k_proj = load_model(tiny_llama_dir, weights="fp8").model.layers[0].self_attn.k_proj
+    model.fuse_projections()
+    assert attn.qkv_proj is None and isinstance(attn.q_proj, Int4Linear)  # int4 q, fp8 k: no common format
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int4Linear)
+
+
+def test_engine_serves_fused_projections_in_every_weight_format(demo_model_dir):
+    for weights, kind in (("auto", torch.nn.Linear), ("int4", Int4Linear), ("fp8", Fp8Linear)):
+        engine = Engine.from_pretrained(
+            demo_model_dir, EngineConfig(dtype="float32", kv_budget_bytes=2**22, weights=weights)
+        )
+        attn = engine.model.model.layers[0].self_attn
+        assert isinstance(attn.qkv_proj, kind) and attn.q_proj is None, weights

@@ -20,6 +20,7 @@ from gpu_workers.formats.weights import (
     quantize_int4,
     unpack_int4,
 )
+from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available
 from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_cpu, int4_linear_reference
 from gpu_workers.model import load_model
 from gpu_workers.quant.config import QuantConfig
@@ -155,10 +156,23 @@ def test_fp8_layer_on_cpu_dequantises_once_and_matches_the_reference():
     x = torch.randn(3, 96)
     expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias)
     assert torch.equal(layer(x), expected)
-    dense = layer._dense.get((x.dtype, *_identity(layer.weight, layer.weight_scale)), None)
-    assert dense is not None and dense.dtype == torch.float32  # kept from the first call
+    key = (x.dtype, *_identity(layer.weight, layer.weight_scale))
+    prepared = layer._dense.get(key, None)
+    assert prepared is not None  # kept from the first call
+    assert torch.equal(layer(x), expected) and layer._dense.get(key, None) is prepared  # and reused
     layer.load_dense(torch.randn(32, 96))
     assert torch.equal(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
+
+
+def test_fp8_layer_on_cpu_in_bf16_runs_the_packed_gemm_with_the_references_bits():
+    layer = Fp8Linear(96, 48, True, torch.bfloat16)
+    layer.load_dense(torch.randn(48, 96))
+    layer.bias.data.copy_(torch.randn(48))
+    for rows in (1, 5, 40):  # 40: padded to oneDNN's row bucket of 40 (exact), then sliced
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        assert torch.equal(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
+    prepared = layer._dense.get((torch.bfloat16, *_identity(layer.weight, layer.weight_scale)), None)
+    assert isinstance(prepared, PackedLinear) == cpu_packing_available(torch.bfloat16)
 
 
 def test_int4_packs_even_columns_in_the_low_nibble():

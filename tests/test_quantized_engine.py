@@ -75,8 +75,8 @@ def test_one_checkpoint_serves_fp8_prefill_and_int4_decode(demo_model_dir):
     """Phase-aware formats: a prefill engine on fp8 weights hands its KV to a decode engine on int4 weights."""
     prefill = Engine.from_pretrained(demo_model_dir, config(weights="fp8"))
     decode = Engine.from_pretrained(demo_model_dir, config(weights="int4", kv_cache_dtype="fp8_e4m3"))
-    assert isinstance(prefill.model.model.layers[0].mlp.up_proj, Fp8Linear)
-    assert isinstance(decode.model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert isinstance(prefill.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert isinstance(decode.model.model.layers[0].mlp.down_proj, Int4Linear)
     prompt = prefill.tokenizer.encode(PROMPTS[0])
     first: list = []
     prefill.add_request(

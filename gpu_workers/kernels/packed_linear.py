@@ -50,6 +50,15 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.dtype = linear.weight.dtype
 
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        """The packed linear of a plain weight [out, in] (e.g. one a quantised layer dequantised once)."""
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return cls(linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         padded = bucket_rows(rows)

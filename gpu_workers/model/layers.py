@@ -24,11 +24,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def concat_linears(linears: list[nn.Module]) -> nn.Linear | None:
-    """One ``nn.Linear`` whose output is the given linears' outputs side by side, or None when they are not
-    all plain ``nn.Linear`` (quantised layers keep their own kernels) or their biases differ in kind."""
-    if not all(type(m) is nn.Linear for m in linears) or len({m.bias is None for m in linears}) != 1:
+def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is the given linears' outputs side by side, or None when they differ in kind
+    (type, bias) or their kind cannot be stacked. Plain ``nn.Linear`` stacks here; a quantised layer class
+    stacks itself through its ``concat`` (its codes and scales stack along the output dimension exactly)."""
+    kinds = {type(m) for m in linears}
+    if len(kinds) != 1 or len({m.bias is None for m in linears}) != 1:
         return None
+    kind = kinds.pop()
+    if kind is not nn.Linear:
+        concat = getattr(kind, "concat", None)
+        return None if concat is None else concat(linears)
     weight = torch.cat([m.weight for m in linears])
     # On the meta device: no memory is initialised for a weight about to be overwritten.
     fused = nn.Linear(

@@ -171,7 +171,8 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections into one matmul each, for serving. Module
-        names then differ from the checkpoint's, so this runs after loading; quantised layers stay apart."""
+        names then differ from the checkpoint's, so this runs after loading; quantised layers fuse as well
+        (``concat_linears``) when the fused projections share one format."""
         for module in self.modules():
             if isinstance(module, Attention | MLP):
                 module.fuse()

@@ -21,6 +21,7 @@ from gpu_workers.formats.weights import (
     quantize_fp8_weight,
     quantize_int4,
 )
+from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available
 from gpu_workers.kernels.quant_linear import (
     INT4_CPU_KERNEL_MIN_WEIGHTS,
     Int4CpuPack,
@@ -51,14 +52,40 @@ class Fp8Linear(nn.Module):
         self.weight_scale.copy_(q.weight_scale)
         self._dense.clear()
 
+    @classmethod
+    def concat(cls, layers: list[Fp8Linear]) -> Fp8Linear | None:
+        """One layer whose outputs are ``layers``' side by side (their e4m3 codes and per-output-channel
+        scales stacked: the same numbers), or None if their inputs differ."""
+        first = layers[0]
+        if len({m.in_features for m in layers}) != 1:
+            return None
+        bias = None if first.bias is None else first.bias.dtype
+        with torch.device("meta"):
+            fused = cls(first.in_features, sum(m.out_features for m in layers), bias is not None, bias)
+        fused.weight = torch.cat([m.weight for m in layers])
+        fused.weight_scale = torch.cat([m.weight_scale for m in layers])
+        if bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_cpu_weights(x):
             key = (x.dtype, *_identity(self.weight, self.weight_scale))
-            dense = self._dense.get(
-                key, lambda: dequantize_fp8_weight(self.weight, self.weight_scale, x.dtype)
-            )
-            return F.linear(x, dense, self.bias)
+            # forward, not the module call: no hooks to run on a layer of our own, ~2 us a call at batch 1
+            return self._dense.get(key, lambda: self._cpu_linear(x.dtype)).forward(x)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def _cpu_linear(self, dtype: torch.dtype) -> nn.Module:
+        """This layer's weight dequantised once into ``dtype``, as a linear: packed for oneDNN where it
+        packs (bf16: the same GEMM as ``F.linear``, less work per call), else a plain ``nn.Linear``."""
+        dense = dequantize_fp8_weight(self.weight, self.weight_scale, dtype)
+        if cpu_packing_available(dtype):
+            return PackedLinear.of(dense, self.bias)
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(dense, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
+        return linear
 
 
 class Int4Linear(nn.Module):
@@ -98,6 +125,27 @@ class Int4Linear(nn.Module):
             self.weight_zero.copy_(q.weight_zero)
         self._cpu_pack.clear()
         self._dense.clear()
+
+    @classmethod
+    def concat(cls, layers: list[Int4Linear]) -> Int4Linear | None:
+        """One layer whose outputs are ``layers``' side by side (codes, group scales and zero points
+        stacked along the output dimension: the same numbers), or None if their inputs or groups differ."""
+        first = layers[0]
+        if len({(m.in_features, m.group_size, m.symmetric) for m in layers}) != 1:
+            return None
+        bias = None if first.bias is None else first.bias.dtype
+        out_features = sum(m.out_features for m in layers)
+        with torch.device("meta"):
+            fused = cls(
+                first.in_features, out_features, bias is not None, bias, first.group_size, first.symmetric
+            )
+        fused.weight_packed = torch.cat([m.weight_packed for m in layers])
+        fused.weight_scale = torch.cat([m.weight_scale for m in layers])
+        if not first.symmetric:
+            fused.weight_zero = torch.cat([m.weight_zero for m in layers])
+        if bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
+        return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_cpu_weights(x):
