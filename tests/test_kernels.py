@@ -147,6 +147,30 @@ def test_cpu_decode_attention_reads_every_e4m3_value_exactly():
     torch.testing.assert_close(out[2, 0], patterns.view(torch.float8_e4m3fn).float() * 3.0, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bf16"])
+def test_cpu_decode_attention_under_a_sharp_softmax_matches_the_reference(kv):
+    """Scores spread over hundreds (probabilities from 1 down to e^-400): the positions the kernel counts as
+    0 (under e^-64) and the FP8 V sums' offsets (weights 2^100 up, values 2^120 down) leave the output the
+    reference's, for values of very different sizes (page scales from 2^-12 to 2^8)."""
+    q, k, v, tables, lens, num_pages = decode_case(4, 2, 32, 8, [1, 9, 150, 301], seed=3)
+    q = q * 40  # scores' spread: ~±200 around their mean
+    gen = torch.Generator().manual_seed(4)
+    sizes = 2.0 ** torch.randint(-12, 9, (num_pages,), generator=gen).float()
+    k, v = (x * sizes.repeat_interleave(8)[:, None, None] for x in (k, v))
+    scales = (None, None)
+    if kv == "bf16":
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    else:
+        scales = tuple(x.view(num_pages, -1).abs().amax(-1) / 448 for x in (k, v))
+        k, v = (
+            quantize_fp8(x, s.repeat_interleave(8)[:, None, None])
+            for x, s in zip((k, v), scales, strict=True)
+        )
+    args = (k, v, tables, lens, 8, 32**-0.5, None, *scales)
+    expected = paged_decode_attention_reference(q, *args)
+    assert_matches(paged_decode_attention_cpu(q, *args), expected, 1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("mode", ["triton", "auto"])  # auto on the CPU: the numba kernel
 def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_dtype, mode):

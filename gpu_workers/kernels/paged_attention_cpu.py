@@ -39,10 +39,15 @@ _JIT = {
     "boundscheck": False,
     "cache": True,
 }
-# FP8 values are read 2^120 below their value (their fields placed in bf16's). The kernel gives back
-# half of that on each side of a product (queries and probabilities, page factors and the output), so
-# that no intermediate overflows, and never inside the loops, where fastmath could move a multiply.
+# FP8 values are read 2^120 below their value (their fields placed in bf16's). The kernel gives that back
+# outside the loops (where fastmath could move a multiply) and so that no intermediate overflows: half on
+# each side of the scores (the queries and the page factors), and in the V sums 2^100 on the weights and
+# 2^20 on the output, so that a weight times a value sits only 2^20 below its true size. A weighted value
+# 2^60 below it (an even split) underflows into a float32 denormal once its probability is under ~1e-20,
+# and on Intel CPUs every operation on a denormal takes a microcode assist (a sharp softmax then doubled the
+# kernel's time). Weights stay finite for page scales up to ~2^28 (values up to ~10^11).
 _HALF_FP8_OFFSET = np.float32(2.0**60)
+_FP8_OUT_OFFSET = np.float32(2.0**20)
 # Pages of K a row's scores run ahead of (fetched while earlier pages are scored); its V pages are fetched
 # during its first query head's scores, well before the weighted sum reads them. One layer of 32 rows over
 # 8,030 positions, its pages out of cache: FP8 540-600 -> 365-380 us, BF16 650-700 -> 375-380 us.
@@ -50,7 +55,9 @@ _PAGES_AHEAD = 2
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693145751953125)  # ln 2 in two parts: n * _LN2_HI is exact for |n| < 2^11
 _LN2_LO = np.float32(1.428606765330187e-06)
-_EXP_MIN = np.float32(-87.0)  # e^-87 is still a normal float32
+# Probabilities under e^-64 (1.6e-28) count as 0: their share of the output is far below float32's
+# resolution, and times a value (2^20 below its size in FP8's V sums) they would make denormals.
+_EXP_MIN = np.float32(-64.0)
 _INV_FACTORIAL = [np.float32(1.0 / f) for f in (2, 6, 24, 120, 720, 5040)]
 _C2, _C3, _C4, _C5, _C6, _C7 = _INV_FACTORIAL
 _STORED = (torch.uint8, torch.bfloat16, torch.float32)  # FP8 bits, BF16, fp32
@@ -70,7 +77,8 @@ def _prefetch_page(slots, first_slot, head, page_size, line):
 def _exp(x):
     """e^x for x <= 0 (a softmax's shifted scores), vectorisable where ``np.exp`` calls libm per element:
     e^r · 2^n with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-7 Taylor polynomial (within 5
-    float32 ulps of e^x); below e^-87 it returns e^-87, not 0."""
+    float32 ulps of e^x); below e^-64 it returns 0."""
+    below = x < _EXP_MIN
     x = max(x, _EXP_MIN)
     n = np.floor(x * _LOG2E + np.float32(0.5))
     r = (x - n * _LN2_HI) - n * _LN2_LO
@@ -81,7 +89,8 @@ def _exp(x):
     p = p * r + _C2
     p = p * r + np.float32(1.0)
     p = p * r + np.float32(1.0)
-    return p * as_float32(np.uint32(np.int32(n) + 127) << 23)
+    e = p * as_float32(np.uint32(np.int32(n) + 127) << 23)
+    return np.float32(0.0) if below else e
 
 
 @numba.njit(**_JIT)
@@ -104,6 +113,8 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
     vals = np.empty((4, dim), np.float32)  # four positions of one KV head, widened once for its whole group
     inv = np.empty(group, np.float32)
     tiled = k.itemsize == 1 and group > 1  # FP8: widening costs more than the tile's stores and loads
+    out_offset = _FP8_OUT_OFFSET if half_offset > 1 else np.float32(1.0)
+    v_offset = half_offset * (half_offset / out_offset)  # 2^100 for FP8, else 1 (powers of 2: exact)
     for b in range(rows):
         n = lens[b]
         lo = n - window if 0 < window < n else 0
@@ -179,7 +190,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                         _widen_rows(v, base + o, 4, h, vals)
                     t = t0 + o - lo
                     for g in range(group):
-                        factor = v_scale[page] * inv[g] * half_offset
+                        factor = v_scale[page] * inv[g] * v_offset
                         w0 = probs[g, t] * factor
                         w1 = probs[g, t + 1] * factor
                         w2 = probs[g, t + 2] * factor
@@ -198,12 +209,12 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 for r in range(o, end):
                     _widen_rows(v, base + r, 1, h, vals)
                     for g in range(group):
-                        w = probs[g, t0 + r - lo] * (v_scale[page] * inv[g] * half_offset)
+                        w = probs[g, t0 + r - lo] * (v_scale[page] * inv[g] * v_offset)
                         for d in range(dim):
                             acc[g, d] += w * vals[0, d]
             for g in range(group):
                 for d in range(dim):
-                    out[b, h * group + g, d] = acc[g, d] * half_offset
+                    out[b, h * group + g, d] = acc[g, d] * out_offset
 
 
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
