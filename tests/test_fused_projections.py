@@ -37,8 +37,9 @@ def test_quantised_projections_fuse_into_one_layer_of_their_format_with_the_same
     tiny_llama_dir, weights, dtype
 ):
     """Codes, scales (and int4's zero points) stack along the output dimension, so the fused layer holds
-    the same numbers; each output column's sum runs as before, so the logits are the same bits (bf16
-    packs the dequantised fp8 weight for oneDNN, and runs int4 through torch's packed int4 kernel)."""
+    the same numbers and computes the same logits: bit for bit on the CPUs measured (each output column's
+    sum runs as before), within a last-bits tolerance here, since a kernel may block a wider matrix
+    differently; a misplaced block of rows would be off by the logits' own size."""
     kind = {"int4": Int4Linear, "fp8": Fp8Linear}[weights]
     model = load_model(tiny_llama_dir, dtype=dtype, weights=weights)
     ids = [3, 17, 42, 9, 88, 5, 61, 23, 7, 100, 11]
@@ -53,7 +54,9 @@ def test_quantised_projections_fuse_into_one_layer_of_their_format_with_the_same
     assert attn.qkv_proj.out_features == q_rows + 2 * kv_rows
     assert torch.equal(attn.qkv_proj.weight_scale[:q_rows], q_scales)  # q's rows first, v's last
     assert torch.equal(attn.qkv_proj.weight_scale[q_rows + kv_rows :], v_scales)
-    assert torch.equal(prefill_logits(model, ids, dtype), apart)
+    fused = prefill_logits(model, ids, dtype)
+    tolerance = (1e-5 if dtype == torch.float32 else 2e-2) * apart.abs().max().item()
+    torch.testing.assert_close(fused, apart, rtol=0, atol=tolerance)
 
 
 def test_projections_of_different_formats_stay_apart(tiny_llama_dir):
