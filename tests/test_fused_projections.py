@@ -75,3 +75,22 @@ def test_engine_serves_fused_projections_in_every_weight_format(demo_model_dir):
         )
         attn = engine.model.model.layers[0].self_attn
         assert isinstance(attn.qkv_proj, kind) and attn.q_proj is None, weights
+
+
+def test_int4_parts_fuse_only_where_each_keeps_its_own_cpu_path():
+    """In fp32 compute a CPU int4 layer of >= 1M weights runs torch's kernel on bf16 activations, a smaller
+    one its exact fp32 dequantised weight: two 512K-weight parts stay on the exact path fused (1M together),
+    and a 1M part never fuses with a 256K one."""
+
+    def part(out_features: int) -> Int4Linear:
+        layer = Int4Linear(1024, out_features, False, torch.float32, 128, False)
+        layer.load_dense(
+            torch.randn(out_features, 1024, generator=torch.Generator().manual_seed(out_features))
+        )
+        return layer
+
+    assert Int4Linear.concat([part(1024), part(256)]) is None
+    parts = [part(512), part(512)]
+    fused = Int4Linear.concat(parts)
+    x = torch.randn(3, 1024)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-6, atol=1e-5)

@@ -168,7 +168,7 @@ def test_fp8_layer_on_cpu_in_bf16_runs_the_packed_gemm_with_the_references_bits(
     layer = Fp8Linear(96, 48, True, torch.bfloat16)
     layer.load_dense(torch.randn(48, 96))
     layer.bias.data.copy_(torch.randn(48))
-    for rows in (1, 5, 40):  # 40: padded to oneDNN's row bucket of 40 (exact), then sliced
+    for rows in (1, 5, 33):  # 33: padded to oneDNN's row bucket of 40, then sliced
         x = torch.randn(rows, 96).to(torch.bfloat16)
         assert torch.equal(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
     prepared = layer._dense.get((torch.bfloat16, *_identity(layer.weight, layer.weight_scale)), None)

@@ -17,7 +17,8 @@ page's scores and its probabilities, as the Triton kernel does: scalar multiplie
 element. No padding, no mask, no copies.
 
 Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
-returned in q's dtype; the exp is within 5 float32 ulps). Compiled on first use, cached on disk by numba.
+returned in q's dtype; the exp is within 5 float32 ulps, and probabilities under e^-64 count as 0).
+Compiled on first use, cached on disk by numba.
 """
 
 from __future__ import annotations

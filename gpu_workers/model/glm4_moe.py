@@ -45,7 +45,7 @@ class GlmAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Module | None = None  # a plain or a quantised linear
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None

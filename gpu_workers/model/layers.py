@@ -29,7 +29,7 @@ def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     (type, bias) or their kind cannot be stacked. Plain ``nn.Linear`` stacks here; a quantised layer class
     stacks itself through its ``concat`` (its codes and scales stack along the output dimension exactly)."""
     kinds = {type(m) for m in linears}
-    if len(kinds) != 1 or len({m.bias is None for m in linears}) != 1:
+    if None in linears or len(kinds) != 1 or len({m.bias is None for m in linears}) != 1:
         return None
     kind = kinds.pop()
     if kind is not nn.Linear:
@@ -55,7 +55,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Module | None = None  # a plain or a quantised linear
 
     def fuse(self) -> None:
         """Replace gate_proj and up_proj by one linear with both weights (after the checkpoint loaded)."""

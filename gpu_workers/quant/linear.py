@@ -70,7 +70,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_cpu_weights(x):
-            key = (x.dtype, *_identity(self.weight, self.weight_scale))
+            key = (x.dtype, *_identity(self.weight, self.weight_scale, self.bias))
             # forward, not the module call: no hooks to run on a layer of our own, ~2 us a call at batch 1
             return self._dense.get(key, lambda: self._cpu_linear(x.dtype)).forward(x)
         return fp8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -116,6 +116,8 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
         self._cpu_pack = _Prepared()
         self._dense = _Prepared()
+        # The size that routes fp32 compute to the int4 kernel: this layer's, or a fused layer's parts'.
+        self.kernel_weights = in_features * out_features
 
     def load_dense(self, weight: torch.Tensor) -> None:
         q = quantize_int4(weight.to(self.weight_packed.device), self.group_size, self.symmetric)
@@ -133,6 +135,11 @@ class Int4Linear(nn.Module):
         first = layers[0]
         if len({(m.in_features, m.group_size, m.symmetric) for m in layers}) != 1:
             return None
+        # Each part must take the CPU path it took alone (the int4 kernel with bf16 activations in fp32
+        # compute only for layers of >= 1M weights, and only for a multiple of 16 outputs), or the fused
+        # layer would compute some parts differently.
+        if len({(m.kernel_weights >= INT4_CPU_KERNEL_MIN_WEIGHTS, m.out_features % 16) for m in layers}) != 1:
+            return None
         bias = None if first.bias is None else first.bias.dtype
         out_features = sum(m.out_features for m in layers)
         with torch.device("meta"):
@@ -143,6 +150,7 @@ class Int4Linear(nn.Module):
         fused.weight_scale = torch.cat([m.weight_scale for m in layers])
         if not first.symmetric:
             fused.weight_zero = torch.cat([m.weight_zero for m in layers])
+        fused.kernel_weights = min(m.kernel_weights for m in layers)
         if bias is not None:
             fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
         return fused
@@ -163,7 +171,7 @@ class Int4Linear(nn.Module):
     def _cpu_activations(self, dtype: torch.dtype) -> torch.dtype | None:
         """The activation dtype this layer runs torch's int4 kernel in for ``dtype`` compute, or None."""
         if dtype == torch.float32:
-            if self.in_features * self.out_features < INT4_CPU_KERNEL_MIN_WEIGHTS:
+            if self.kernel_weights < INT4_CPU_KERNEL_MIN_WEIGHTS:
                 return None
             dtype = torch.bfloat16
         return dtype if int4_cpu_supported(self.out_features, self.group_size, dtype) else None
