@@ -156,7 +156,7 @@ def test_fp8_layer_on_cpu_dequantises_once_and_matches_the_reference():
     x = torch.randn(3, 96)
     expected = fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias)
     assert torch.equal(layer(x), expected)
-    key = (x.dtype, *_identity(layer.weight, layer.weight_scale))
+    key = (x.dtype, *_identity(layer.weight, layer.weight_scale, layer.bias))
     prepared = layer._dense.get(key, None)
     assert prepared is not None  # kept from the first call
     assert torch.equal(layer(x), expected) and layer._dense.get(key, None) is prepared  # and reused
@@ -171,7 +171,9 @@ def test_fp8_layer_on_cpu_in_bf16_runs_the_packed_gemm_with_the_references_bits(
     for rows in (1, 5, 33):  # 33: padded to oneDNN's row bucket of 40, then sliced
         x = torch.randn(rows, 96).to(torch.bfloat16)
         assert torch.equal(layer(x), fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias))
-    prepared = layer._dense.get((torch.bfloat16, *_identity(layer.weight, layer.weight_scale)), None)
+    prepared = layer._dense.get(
+        (torch.bfloat16, *_identity(layer.weight, layer.weight_scale, layer.bias)), None
+    )
     assert isinstance(prepared, PackedLinear) == cpu_packing_available(torch.bfloat16)
 
 
