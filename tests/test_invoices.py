@@ -220,8 +220,11 @@ def test_periods_are_yyyy_mm():
 
 
 def test_reconcile_detects_a_tampered_rollup_a_tampered_invoice_and_a_missing_event(
-    url, sessions, caller, capsys
+    url, sessions, caller, capsys, monkeypatch
 ):
+    # The CLI reconciles as of the clock: a grace of a century keeps November 2026's invoice a draft until
+    # the test finalises it itself, whatever today's date (it closed for real on 2026-12-04).
+    monkeypatch.setenv("TESSERA_INVOICE_GRACE_DAYS", "36500")
     made = [used(caller, n, at(3 + n)) for n in range(8)]
     with sessions() as session:
         record(session, made, now=at(20))

@@ -94,7 +94,9 @@ def seed_usage(session, tenant_id: str, key_ids: list[str], tenant: str, n: int)
                 finished_at=started + timedelta(milliseconds=ttft_ms + 6 * (19 + 7 * (i % 11))),
             )
         )
-    billing.record_events(session, events)
+    # Recorded as the ledger did mid-November, so they are billed on November's invoice whatever today's
+    # date (past its close, the clock would bill them on the open month instead).
+    billing.record_events(session, events, now=datetime(2026, 11, 15, tzinfo=timezone.utc))
 
 
 @pytest.fixture(scope="module")
