@@ -4,7 +4,8 @@
 
 Arguments: the other tree, query heads, KV heads, rows. One layer, head_dim 64, pages of 16, contexts of
 100-259 positions on shuffled pages, in FP8 (normal e4m3 values), fp32 and BF16 KV. The two kernels must
-agree to the last bits (the share that differs is printed); then 15 rounds of 20 calls each, alternating, and per round this tree's time over the other's.
+agree to the last bits (the share that differs is printed); then 15 rounds of 20 calls each, alternating,
+and per round this tree's time over the other's.
 """
 
 from __future__ import annotations

@@ -50,15 +50,6 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.dtype = linear.weight.dtype
 
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-        """The packed linear of a plain weight [out, in] (e.g. one a quantised layer dequantised once)."""
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        if bias is not None:
-            linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
-        return cls(linear)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         padded = bucket_rows(rows)
@@ -72,6 +63,15 @@ class PackedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An inference ``nn.Linear`` over a given weight [out, in] (and bias), sharing their memory."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
 
 
 def pack_linears(model: nn.Module) -> int:

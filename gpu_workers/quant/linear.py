@@ -10,6 +10,8 @@ ones dequantised, see ``kernels.quant_linear``); fp8 dequantised, as CPU torch h
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,7 @@ from gpu_workers.formats.weights import (
     quantize_fp8_weight,
     quantize_int4,
 )
-from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available
+from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available, linear_of
 from gpu_workers.kernels.quant_linear import (
     INT4_CPU_KERNEL_MIN_WEIGHTS,
     Int4CpuPack,
@@ -33,6 +35,8 @@ from gpu_workers.kernels.quant_linear import (
     use_cpu_weights,
 )
 from gpu_workers.quant.config import QuantConfig
+
+QuantLinearT = TypeVar("QuantLinearT", bound=nn.Module)
 
 
 class Fp8Linear(nn.Module):
@@ -62,11 +66,7 @@ class Fp8Linear(nn.Module):
         bias = None if first.bias is None else first.bias.dtype
         with torch.device("meta"):
             fused = cls(first.in_features, sum(m.out_features for m in layers), bias is not None, bias)
-        fused.weight = torch.cat([m.weight for m in layers])
-        fused.weight_scale = torch.cat([m.weight_scale for m in layers])
-        if bias is not None:
-            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
-        return fused
+        return _stacked(fused, layers, ("weight", "weight_scale"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_cpu_weights(x):
@@ -78,14 +78,8 @@ class Fp8Linear(nn.Module):
     def _cpu_linear(self, dtype: torch.dtype) -> nn.Module:
         """This layer's weight dequantised once into ``dtype``, as a linear: packed for oneDNN where it
         packs (bf16: the same GEMM as ``F.linear``, less work per call), else a plain ``nn.Linear``."""
-        dense = dequantize_fp8_weight(self.weight, self.weight_scale, dtype)
-        if cpu_packing_available(dtype):
-            return PackedLinear.of(dense, self.bias)
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = nn.Parameter(dense, requires_grad=False)
-        if self.bias is not None:
-            linear.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
-        return linear
+        linear = linear_of(dequantize_fp8_weight(self.weight, self.weight_scale, dtype), self.bias)
+        return PackedLinear(linear) if cpu_packing_available(dtype) else linear
 
 
 class Int4Linear(nn.Module):
@@ -146,14 +140,9 @@ class Int4Linear(nn.Module):
             fused = cls(
                 first.in_features, out_features, bias is not None, bias, first.group_size, first.symmetric
             )
-        fused.weight_packed = torch.cat([m.weight_packed for m in layers])
-        fused.weight_scale = torch.cat([m.weight_scale for m in layers])
-        if not first.symmetric:
-            fused.weight_zero = torch.cat([m.weight_zero for m in layers])
         fused.kernel_weights = min(m.kernel_weights for m in layers)
-        if bias is not None:
-            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
-        return fused
+        buffers = ("weight_packed", "weight_scale") + (() if first.symmetric else ("weight_zero",))
+        return _stacked(fused, layers, buffers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_cpu_weights(x):
@@ -185,6 +174,16 @@ class Int4Linear(nn.Module):
                 self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, dtype
             ),
         )
+
+
+def _stacked(fused: QuantLinearT, layers: list[QuantLinearT], buffers: tuple[str, ...]) -> QuantLinearT:
+    """``fused`` (built on the meta device) given ``layers``' named buffers and biases, stacked along the
+    output dimension."""
+    for name in buffers:
+        setattr(fused, name, torch.cat([getattr(m, name) for m in layers]))
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
+    return fused
 
 
 def _identity(*buffers: torch.Tensor | None) -> tuple[int, ...]:
