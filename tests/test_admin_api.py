@@ -190,6 +190,19 @@ def test_deployment_patch_is_validated_with_reasons_and_audited_with_before_afte
     assert audit[-1]["action"] == "create" and len(audit) == 2  # the refused patches left no trace
 
 
+def test_local_prefill_max_tokens_is_editable_and_never_negative(admin):
+    path = f"/admin/deployments/{admin.model}"
+    negative = admin.call("PATCH", path, json={"local_prefill_max_tokens": -1})
+    assert "local_prefill_max_tokens" in assert_error(negative, 422, "invalid_config")["message"]
+    assert admin.call("GET", path).json()["local_prefill_max_tokens"] == 0  # the default: none
+    ok = admin.call("PATCH", path, json={"local_prefill_max_tokens": 64})
+    assert ok.status_code == 200, ok.text
+    assert admin.call("GET", path).json()["local_prefill_max_tokens"] == 64
+    newest = admin.call("GET", f"{path}/audit").json()["data"][0]
+    assert newest["changes"] == {"local_prefill_max_tokens": [0, 64]}
+    admin.call("PATCH", path, json={"local_prefill_max_tokens": 0})
+
+
 def test_deployment_create_validates_and_checks_the_checkpoint(admin, tmp_path):
     name = f"@test/new-{uuid.uuid4().hex[:6]}"
     missing = admin.call("POST", "/admin/deployments", json={"name": name, "checkpoint": str(tmp_path)})

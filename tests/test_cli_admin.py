@@ -193,14 +193,16 @@ def test_deployments_create_show_update_and_audit(migrated, checkpoint):
 
     updated = migrated(
         "deployments", "update", "@tessera/demo", "--page-size", "32", "--disable", "--max-model-len", "auto",
-        "--json",
+        "--local-prefill-max-tokens", "128", "--json",
     )  # fmt: skip
     assert updated.code == 0, updated.err
     data = updated.json()
     assert (data["page_size"], data["enabled"], data["max_model_len"]) == (32, False, None)
+    assert data["local_prefill_max_tokens"] == 128
     assert data["audit"][0]["changes"] == {
         "page_size": [16, 32],
         "max_model_len": [8192, None],
+        "local_prefill_max_tokens": [0, 128],
         "enabled": [True, False],
     }
 

@@ -262,6 +262,7 @@ def test_each_committed_change_is_announced_with_its_audit_count_and_a_no_op_upd
 ):
     from tessera import db, tenancy
 
+    from gpu_workers.pools.heartbeat import ConfigWatch
     from gpu_workers.protocol import DeploymentSpec, config_key
 
     client = redis.Redis.from_url(REDIS_URL)
@@ -287,5 +288,15 @@ def test_each_committed_change_is_announced_with_its_audit_count_and_a_no_op_upd
             client.delete(config_key(name))  # as if the announcement had been lost
             tenancy.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
             assert announced() == (3, spec)  # nothing changed, nothing audited: announced again
+            # A routing-only field (the gateway's): a new version, the same worker spec, so no worker
+            # on the old version counts as stale and none restarts.
+            watch = ConfigWatch(client, spec)
+            tenancy.update_deployment(
+                session, name, {"local_prefill_max_tokens": 32}, actor="test", redis=client
+            )
+            assert announced() == (4, spec)
+            assert watch.current() and watch.version == 4
+            tenancy.update_deployment(session, name, {"decode_kv": "fp8_e4m3"}, actor="test", redis=client)
+            assert not watch.current()
     finally:
         client.delete(config_key(name))

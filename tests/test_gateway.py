@@ -602,6 +602,51 @@ def test_disaggregated_request_goes_to_a_prefill_worker_with_the_decode_workers_
     assert (sent.name, sent.queue, sent.task.decode_queue) == (TASK_SERVE, worker_queue("serve-1"), None)
 
 
+def test_prompts_up_to_local_prefill_max_tokens_go_to_the_decode_worker_whole(gw, demo_model_dir):
+    """Conditional disaggregation: a short prompt skips the prefill pool (a serve task on the decode worker's
+    queue); one token longer and it goes through prefill and the hand-off again."""
+    name, limit = f"@test/local-{uuid.uuid4().hex[:8]}", 5
+    with gw.sessions() as session:
+        config = {"name": name, "checkpoint": str(demo_model_dir), "local_prefill_max_tokens": limit}
+        tenancy.create_deployment(
+            session, {**config, "max_model_len": CONTEXT, "max_tokens_limit": LIMIT}, actor="test"
+        )
+    try:
+        for pool in ("prefill", "decode"):
+            gw.pools.heartbeat(name, pool, f"{pool}-local")
+
+        def complete(n: int) -> Sent:
+            body = {"model": name, "prompt": [7] * n, "max_tokens": 4}
+            reply = gw.client.post("/v1/completions", headers=gw.auth(), json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == "Hello, world"
+            return gw.pools.sent[-1]
+
+        for n in (1, limit):
+            sent = complete(n)
+            assert (sent.name, sent.queue, sent.task.decode_queue) == (
+                TASK_SERVE,
+                worker_queue("decode-local"),
+                None,
+            )
+        sent = complete(limit + 1)
+        assert (sent.name, sent.queue, sent.task.decode_queue) == (
+            TASK_PREFILL,
+            worker_queue("prefill-local"),
+            worker_queue("decode-local"),
+        )
+        # The decode pool is the one a short prompt needs: without it, 503 even with prefill live.
+        gw.pools.redis.delete(workers_key(name, "decode"))
+        body = {"model": name, "prompt": [7] * limit, "max_tokens": 4}
+        error = assert_openai_error(
+            gw.client.post("/v1/completions", headers=gw.auth(), json=body), 503, "no_live_worker"
+        )
+        assert "--pool decode" in error["message"]
+    finally:
+        for pool in ("prefill", "decode"):
+            gw.pools.redis.delete(workers_key(name, pool))
+
+
 def test_no_live_worker_is_503_at_once(gw):
     gw.pools.redis.delete(workers_key(gw.model, "decode"))
     gw.pools.heartbeat(gw.model, "decode", "decode-stale", age_s=gw.settings.worker_heartbeat_ttl_s + 1)

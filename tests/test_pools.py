@@ -128,8 +128,8 @@ def tokens_of(events: list[Event]) -> list[int]:
     return [t for e in events if e.kind == "token" for t in e.token_ids]
 
 
-def offline(spec: DeploymentSpec, max_tokens: int, prompt=PROMPT) -> list[int]:
-    engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "serve", SECRET))
+def offline(spec: DeploymentSpec, max_tokens: int, prompt=PROMPT, pool: str = "serve") -> list[int]:
+    engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, pool, SECRET))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.generate(list(prompt), params, tenant="tenant-a")[0].token_ids
 
@@ -609,6 +609,21 @@ def test_disaggregated_prefill_hands_fp8_kv_to_decode_and_the_stream_continues(c
     assert imported, "decode recomputed the prompt instead of importing prefill's KV"
     assert imported[1] == "shm"  # both pools on this host: shared memory, no copy through Redis
     assert not Path("/dev/shm", imported[2]).exists()  # taken once, unlinked
+
+
+def test_a_decode_worker_serves_a_whole_request_in_its_own_formats(client, cluster):
+    """What the gateway sends for a prompt under local_prefill_max_tokens: a serve task on the decode pool.
+    The decode worker prefills it into its FP8 KV and streams every token; prefill never sees it."""
+    workers, _, disagg, ids = cluster
+    prompt = PROMPT[::-1]  # no other test's: nothing of it is in the decode worker's prefix cache
+    task = make_task(disagg, max_tokens=10, prompt=prompt)
+    make_celery(REDIS_URL).send_task(TASK_SERVE, args=[task.to_json()], queue=disagg.queue("decode"))
+    events = read_stream(client, task.request_id)
+    assert events[-1].kind == "final" and events[-1].finish_reason == "length", events[-1]
+    assert {e.worker_id for e in events} == {ids["decode"]}
+    assert events[-1].usage == {"prompt_tokens": len(prompt), "cached_tokens": 0, "completion_tokens": 10}
+    assert tokens_of(events) == offline(disagg, 10, prompt=prompt, pool="decode")
+    assert task.request_id not in workers.logs[ids["prefill"]].read_text()
 
 
 def test_a_stop_string_that_begins_in_prefills_first_token_is_found_by_decode(client, cluster):

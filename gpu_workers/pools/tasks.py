@@ -60,7 +60,6 @@ from gpu_workers.protocol import (
 log = logging.getLogger(__name__)
 
 TASK_OF_POOL = {"serve": TASK_SERVE, "prefill": TASK_PREFILL, "decode": TASK_DECODE}
-POOL_OF_TASK = {task: pool for pool, task in TASK_OF_POOL.items()}
 
 
 @dataclass
@@ -137,13 +136,17 @@ class TaskRunner:
         self.writer = StepWriter(client, engine.abort)
 
     def register(self) -> None:
-        """Register this pool's task on the app, by its protocol name."""
-        name = TASK_OF_POOL[self.pool]
+        """Register this pool's tasks on the app, by their protocol names: a decode worker also serves
+        whole requests (prompts short enough that the gateway skips the prefill pool for them)."""
+        names = [TASK_OF_POOL[self.pool]] + ([TASK_SERVE] if self.pool == "decode" else [])
+        for name in names:
+            self.app.task(name=name, ignore_result=True)(self._task(name))
 
+    def _task(self, name: str):
         def run(payload: str) -> None:
             self.run(name, payload)
 
-        self.app.task(name=name, ignore_result=True)(run)
+        return run
 
     # -- one attempt ---------------------------------------------------------------------------------
 
@@ -152,7 +155,7 @@ class TaskRunner:
         if self.engine.failed is not None:
             # This worker is on its way out (worker.py); a task it has not started belongs to a live peer.
             log.warning("engine failed; handing %s of request %s back to its pool", name, task.request_id)
-            self.app.send_task(name, args=[payload], queue=pool_queue(task.deployment, POOL_OF_TASK[name]))
+            self.app.send_task(name, args=[payload], queue=pool_queue(task.deployment, self.pool))
             return
         stream = RequestStream(self.client, task.request_id, self.worker_id)
         state = stream.state()
@@ -380,9 +383,7 @@ class TaskRunner:
                 if state.events <= (1 if name == TASK_DECODE else 0) and time.time() < task.deadline:
                     log.warning("re-queueing request %s of dead worker %s", task.request_id, dead_worker_id)
                     stream.release()
-                    self.app.send_task(
-                        name, args=[payload], queue=pool_queue(task.deployment, POOL_OF_TASK[name])
-                    )
+                    self.app.send_task(name, args=[payload], queue=pool_queue(task.deployment, self.pool))
                 else:
                     log.warning("failing request %s of dead worker %s", task.request_id, dead_worker_id)
                     stream.publish(worker_lost())

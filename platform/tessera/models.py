@@ -118,6 +118,8 @@ class Deployment(Base):
     max_num_seqs: Mapped[int]
     max_model_len: Mapped[int | None]
     max_tokens_limit: Mapped[int]  # the most output tokens one request may ask for
+    # Prompts up to this many tokens skip the prefill pool: the decode pool prefills them itself (0: none).
+    local_prefill_max_tokens: Mapped[int] = mapped_column(default=0)
     integrity_check: Mapped[bool]
     prefix_cache: Mapped[bool]
     enabled: Mapped[bool] = mapped_column(default=True)

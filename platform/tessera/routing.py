@@ -103,11 +103,20 @@ def queue_of(worker: WorkerInfo) -> str:
     return worker.queue or worker_queue(worker.worker_id)
 
 
-async def route(redis: aioredis.Redis, spec: DeploymentSpec, key: bytes, ttl_s: float) -> Route:
-    """Where to send a request for ``spec``: its serve worker, or its prefill worker plus decode worker."""
+async def route(
+    redis: aioredis.Redis, spec: DeploymentSpec, key: bytes, ttl_s: float, *, prefill_locally: bool = False
+) -> Route:
+    """Where to send a request for ``spec``: its serve worker, or its prefill worker plus decode worker.
+
+    ``prefill_locally`` (disaggregated only; a prompt short enough that handing its KV over costs more
+    than computing it): the whole request goes to the decode worker as a serve task, no prefill worker.
+    """
     if spec.mode == "colocated":
         worker = await pick(redis, spec.name, "serve", key, ttl_s)
         return Route(TASK_SERVE, queue_of(worker), (("serve", worker.worker_id),))
+    if prefill_locally:
+        decode = await pick(redis, spec.name, "decode", key, ttl_s)
+        return Route(TASK_SERVE, queue_of(decode), (("decode", decode.worker_id),))
     prefill = await pick(redis, spec.name, "prefill", key, ttl_s)
     # Decode follows the same key, so one session's decodes share a worker too.
     decode = await pick(redis, spec.name, "decode", key, ttl_s)

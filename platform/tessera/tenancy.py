@@ -397,6 +397,13 @@ class DeploymentConfig(BaseModel):
     max_num_seqs: int = Field(_SPEC["max_num_seqs"], gt=0)
     max_model_len: int | None = Field(_SPEC["max_model_len"], gt=0)
     max_tokens_limit: int = Field(4096, gt=0)
+    local_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="disaggregated mode: prompts of at most this many tokens are prefilled by the decode pool "
+        "itself, with its formats, skipping the prefill pool and the KV hand-off (short prompts cost more to "
+        "hand off than to prefill); 0: every prompt goes through the prefill pool",
+    )
     integrity_check: bool = _SPEC["integrity_check"]
     prefix_cache: bool = _SPEC["prefix_cache"]
     enabled: bool = True

@@ -170,6 +170,9 @@ class DeploymentUpdate(_Request):
     max_num_seqs: int | None = None
     max_model_len: int | None = Field(None, description="null: the checkpoint's context length")
     max_tokens_limit: int | None = None
+    local_prefill_max_tokens: int | None = Field(
+        None, description="prompts up to this many tokens skip the prefill pool (0: none)"
+    )
     integrity_check: bool | None = None
     prefix_cache: bool | None = None
     enabled: bool | None = None

@@ -28,6 +28,7 @@ ROW_TTL_S = 5.0
 class Model:
     spec: DeploymentSpec
     max_tokens_limit: int
+    local_prefill_max_tokens: int  # prompts up to this long go straight to the decode pool (disaggregated)
     context: int  # prompt + output tokens one request may hold
     vocab_size: int
     tokenizer: Tokenizer | None
@@ -82,6 +83,7 @@ class Catalog:
         return Model(
             spec=spec,
             max_tokens_limit=row.max_tokens_limit,
+            local_prefill_max_tokens=row.local_prefill_max_tokens,
             context=context,
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,

@@ -216,7 +216,13 @@ class Gateway:
                 salt, request.headers.get(AFFINITY_HEADER), prepared.prompt_ids, spec.page_size
             )
             try:
-                route = await routing.route(self.redis, spec, key, self.settings.worker_heartbeat_ttl_s)
+                route = await routing.route(
+                    self.redis,
+                    spec,
+                    key,
+                    self.settings.worker_heartbeat_ttl_s,
+                    prefill_locally=0 < prompt_tokens <= prepared.model.local_prefill_max_tokens,
+                )
             except routing.NoLiveWorker as e:
                 raise APIError(503, str(e), "no_live_worker", headers={"Retry-After": "5"}) from None
             except RedisError as e:

@@ -40,9 +40,17 @@ READY_TIMEOUT_S = 240.0
 DEFAULT_MODEL = "@tessera/pycode-tiny"
 
 
-def run_serving(concurrency: int, max_tokens: int, rounds: int, threads: int | None, as_json: bool) -> None:
+def run_serving(
+    concurrency: int,
+    max_tokens: int,
+    rounds: int,
+    threads: int | None,
+    as_json: bool,
+    local_prefill_max_tokens: int | None = None,
+) -> None:
     """``threads``: torch CPU threads of every engine (the workers' and the offline one); None: torch's
-    choice. On a small machine shared with other work, 1 keeps a descheduled thread from stalling a step."""
+    choice. On a small machine shared with other work, 1 keeps a descheduled thread from stalling a step.
+    ``local_prefill_max_tokens``: set on the deployment (admin API) before measuring; None keeps its own."""
     with tempfile.TemporaryDirectory(prefix="tessera-bench-serving-") as tmp:
         data_dir = Path(tmp)
         port = _free_port()
@@ -60,6 +68,8 @@ def run_serving(concurrency: int, max_tokens: int, rounds: int, threads: int | N
         try:
             key = _wait_for_key(up, data_dir / "up.log")
             url = f"http://127.0.0.1:{port}/v1"
+            if local_prefill_max_tokens is not None:
+                _configure(url, key, {"local_prefill_max_tokens": local_prefill_max_tokens})
             report = _measure(url, key, data_dir, up.pid, concurrency, max_tokens, rounds)
         finally:
             up.terminate()
@@ -72,6 +82,23 @@ def run_serving(concurrency: int, max_tokens: int, rounds: int, threads: int | N
         print(json.dumps(report, indent=2))
         return
     _print(report)
+
+
+def _configure(base_url: str, key: str, changes: dict) -> None:
+    """Change the deployment through the admin API, then wait out the gateway's catalog cache. Routing
+    fields only: the workers' spec is unchanged, so they keep running."""
+    import httpx
+
+    from tessera.api.catalog import ROW_TTL_S
+
+    reply = httpx.patch(
+        f"{base_url.removesuffix('/v1')}/admin/deployments/{DEFAULT_MODEL}",
+        headers={"Authorization": f"Bearer {key}"},
+        json=changes,
+    )
+    if reply.status_code != 200:
+        raise BenchError(f"could not change the deployment ({reply.status_code}): {reply.text[:300]}")
+    time.sleep(ROW_TTL_S + 1.0)
 
 
 def _free_port() -> int:
@@ -106,10 +133,15 @@ def _offline_engine(data_dir: Path):
     engine = db.make_engine(settings.database_url)
     try:
         with db.session_factory(engine)() as session:
-            spec = tenancy.get_deployment(session, DEFAULT_MODEL).to_spec()
+            row = tenancy.get_deployment(session, DEFAULT_MODEL)
+            spec, local_prefill = row.to_spec(), row.local_prefill_max_tokens
     finally:
         engine.dispose()
-    return Engine.from_pretrained(spec.checkpoint, engine_config(spec, "decode", b"bench")), spec
+    return (
+        Engine.from_pretrained(spec.checkpoint, engine_config(spec, "decode", b"bench")),
+        spec,
+        local_prefill,
+    )
 
 
 def _measure(
@@ -121,7 +153,7 @@ def _measure(
 
     from gpu_workers import SamplingParams
 
-    engine, spec = _offline_engine(data_dir)
+    engine, spec, local_prefill = _offline_engine(data_dir)
     prompt_ids = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
@@ -236,6 +268,7 @@ def _measure(
 
     return {
         "date": date.today().isoformat(),
+        "local_prefill_max_tokens": local_prefill,
         "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "deployment": {
             "name": spec.name,
@@ -243,6 +276,7 @@ def _measure(
             "dtype": engine.dtype.name if hasattr(engine, "dtype") else spec.dtype,
             "decode_kv": spec.decode_kv,
             "decode_weights": spec.decode_weights,
+            "local_prefill_max_tokens": local_prefill,
         },
         "prompt_tokens": len(prompt_ids),
         "max_tokens": max_tokens,
@@ -263,7 +297,8 @@ def _print(report: dict) -> None:
     d = report["deployment"]
     print(
         f"{report['date']}, {report['machine']}; {d['name']} ({d['mode']}, {d['dtype']}, decode KV "
-        f"{d['decode_kv']}, weights {d['decode_weights']}); {report['prompt_tokens']}-token prompt, "
+        f"{d['decode_kv']}, weights {d['decode_weights']}, prompts up to {d['local_prefill_max_tokens']} "
+        f"tokens prefilled on decode); {report['prompt_tokens']}-token prompt, "
         f"max_tokens {report['max_tokens']}, greedy; {report['rounds']} rounds: median [min, max]"
     )
     for unit, values, ratios in (

@@ -171,6 +171,13 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-limit", type=int, default=unset, metavar="N", help="most max_tokens one request may ask"
     )
     option(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=unset,
+        metavar="N",
+        help="prompts of at most N tokens skip the prefill pool: the decode pool prefills them (0: none)",
+    )
+    option(
         "--integrity-check",
         action=argparse.BooleanOptionalAction,
         default=unset,

@@ -222,6 +222,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     serving.add_argument(
         "--threads", type=int, help="torch CPU threads per engine, workers' and offline (default: torch's)"
     )
+    serving.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        metavar="N",
+        help="set the deployment's local_prefill_max_tokens first: prompts up to N tokens skip the prefill "
+        "pool (default: the deployment's own, 0 unless changed)",
+    )
     serving.add_argument("--json", action="store_true", help="print the results as JSON")
     serving.set_defaults(func=cmd_serving)
 
@@ -556,7 +563,11 @@ def cmd_serving(args: argparse.Namespace) -> None:  # weights-serving
     require_positive(args, "concurrency", "max_tokens", "rounds")
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads needs a positive integer, got {args.threads}", exit_code=2)
-    run_serving(args.concurrency, args.max_tokens, args.rounds, args.threads, args.json)
+    if args.local_prefill_max_tokens is not None and args.local_prefill_max_tokens < 0:
+        raise CliError("--local-prefill-max-tokens needs 0 or more tokens", exit_code=2)
+    run_serving(
+        args.concurrency, args.max_tokens, args.rounds, args.threads, args.json, args.local_prefill_max_tokens
+    )
 
 
 def parse_slo(value: str) -> dict[str, float]:
