@@ -33,7 +33,10 @@ def test_slots_and_spans_are_those_of_every_new_token():
     assert meta.slot_mapping.tolist() == expected
     assert meta.spans.token_seq.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2, 3]
     assert meta.spans.prev_page.tolist() == [tables[0][1], -1, tables[2][2], -1]
-    assert [(r.start, r.end, r.context_len) for r in meta.prefill] == [(1, 4, 3), (4, 9, 14)]
+    assert [(g.tokens.tolist(), g.span, g.context_len) for g in meta.prefill] == [
+        ([1, 2, 3], slice(1, 4), 3),
+        ([4, 5, 6, 7, 8], slice(4, 9), 14),
+    ]
     assert meta.decode.rows.tolist() == [0, 9] and meta.decode.seq_lens.tolist() == [9, 1]
 
 
@@ -87,3 +90,35 @@ def test_a_prefill_chunk_after_cached_pages_attends_causally_over_the_whole_cont
     for i, pos in enumerate(range(8, 13)):
         probs = (torch.einsum("hd,lhd->hl", q[i], keys[: pos + 1]) * 0.25).softmax(-1)
         assert torch.allclose(got[i], torch.einsum("hl,lhd->hd", probs, values[: pos + 1]), atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_prefill_chunks_of_equal_lengths_attend_in_one_call_bit_for_bit_as_each_alone(kv):
+    # Two groups of equal (context, chunk) lengths, interleaved with decode rows and each other, so one
+    # group's tokens are not back to back; plus a chunk after cached pages and one of its own length.
+    context = [9, 9, 1, 9, 13, 12, 9, 7, 13]
+    query = [9, 9, 1, 9, 5, 1, 9, 7, 5]
+    tables, pages = scattered_tables(context, seed=3)
+    meta = AttentionMetadata.build(tables, context, query, PAGE)
+    assert sorted((g.context_len, g.query_len, g.rows, g.span is None) for g in meta.prefill) == [
+        (7, 7, 1, False),
+        (9, 9, 4, True),  # rows 0, 1, 3, 6: a decode row between them
+        (13, 5, 2, True),
+    ]
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(pages * PAGE, 2, 16, generator=gen), torch.randn(pages * PAGE, 2, 16, generator=gen)
+    scales = (None, None)
+    if kv == "fp8":
+        scales = (torch.rand(pages, generator=gen) + 0.1, torch.rand(pages, generator=gen) + 0.1)
+        k, v = (
+            quantize_fp8(x, s.repeat_interleave(PAGE)[:, None, None])
+            for x, s in zip((k, v), scales, strict=True)
+        )
+    q = torch.randn(sum(query), 4, 16, generator=gen)
+    got = paged_attention_reference(q, k, v, meta, 0.25, None, *scales)
+    start = 0
+    for table, c, n in zip(tables, context, query, strict=True):
+        alone = AttentionMetadata.build([table], [c], [n], PAGE)
+        want = paged_attention_reference(q[start : start + n], k, v, alone, 0.25, None, *scales)
+        assert torch.equal(got[start : start + n], want), (c, n)
+        start += n

@@ -107,7 +107,7 @@ def paged_attention_reference(
     GQA: query head h reads KV head ``h // (heads // kv_heads)``. Returns [T, heads, dim] in q's dtype.
     FP8 slots (uint8 bits) come with ``k_scale``/``v_scale``, the per-page scales [pages] of this layer.
     Decode rows attend in one call per length group over their gathered pages (whole pages: one copy per
-    page, not per slot); each prefill row attends over its own pages, unpadded.
+    page, not per slot); prefill rows in one call per group of equal context and chunk lengths, unpadded.
     """
     out = torch.empty_like(q)
     heads, kv_heads, head_dim = q.shape[1], k_slots.shape[1], q.shape[2]
@@ -126,13 +126,16 @@ def paged_attention_reference(
             rows, k, v, attn_mask=group.mask(page_size, sliding_window, q.dtype), scale=scale
         )
         out[group.rows] = o.reshape(-1, heads, head_dim)
-    for row in meta.prefill:
-        ctx, n = row.context_len, row.end - row.start
-        k = _gather_pages(k_slots, row.pages[None], k_scale, page_size, q.dtype, head_dim)[:, :ctx].transpose(
-            1, 2
-        )
-        v = _gather_pages(v_slots, row.pages[None], v_scale, page_size, q.dtype, head_dim)[:, :ctx].transpose(
-            1, 2
+    if meta.prefill:  # every prefill row's pages in one gather (and one dequantisation) per tensor
+        pages = meta.prefill_pages[None]
+        k_all = _gather_pages(k_slots, pages, k_scale, page_size, q.dtype, head_dim)[0]
+        v_all = _gather_pages(v_slots, pages, v_scale, page_size, q.dtype, head_dim)[0]
+    for group in meta.prefill:
+        ctx, n, rows = group.context_len, group.query_len, group.rows
+        lo, width = group.first_page * page_size, group.tables.shape[1] * page_size
+        k, v = (
+            x[lo : lo + rows * width].view(rows, width, *x.shape[1:])[:, :ctx].transpose(1, 2)
+            for x in (k_all, v_all)
         )
         mask = None
         if n != ctx or sliding_window is not None:
@@ -141,16 +144,20 @@ def paged_attention_reference(
             mask = key_pos[None, :] <= q_pos[:, None]
             if sliding_window is not None:
                 mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
+        queries = q[group.span] if group.span is not None else q.index_select(0, group.tokens)
         o = F.scaled_dot_product_attention(
-            q[row.start : row.end].transpose(0, 1)[None],
+            queries.view(rows, n, heads, head_dim).transpose(1, 2),
             k,
             v,
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
             enable_gqa=gqa,
-        )
-        out[row.start : row.end] = o[0].transpose(0, 1)
+        ).transpose(1, 2)
+        if group.span is not None:
+            out[group.span] = o.reshape(rows * n, heads, head_dim)
+        else:
+            out.index_copy_(0, group.tokens, o.reshape(rows * n, heads, head_dim))
     return out
 
 

@@ -5,7 +5,8 @@ One step packs the new tokens of every scheduled sequence into a flat batch of T
 contributes ``query_lens[i]`` tokens, the last ones of its ``context_lens[i]`` cached tokens (prefill
 chunks and decode tokens are the same thing with different lengths). The metadata is built once per step
 with array operations (no per-token Python) and read by every layer: decode rows (one query each) are
-attended together through their block tables, prefill rows one sequence at a time, unpadded.
+attended together through their block tables, prefill rows in groups of equal context and chunk lengths
+(unpadded: a group is one call).
 """
 
 from __future__ import annotations
@@ -109,13 +110,20 @@ class DecodeRows:
 
 
 @dataclass
-class PrefillRow:
-    """One sequence's chunk of several tokens: flat tokens [start, end) at the end of its context."""
+class PrefillGroup:
+    """The step's chunks of several tokens that share a context and a chunk length (a burst of same-length
+    prompts is one group): each the last ``query_len`` tokens of its ``context_len``, attended in one call."""
 
-    start: int
-    end: int
+    tokens: torch.Tensor  # [rows * query_len] flat token indices, row by row
+    span: slice | None  # the same tokens as a slice, when they lie back to back in the flat batch
+    tables: torch.Tensor  # [rows, ceil(context_len / page_size)] the pages holding each row's context
     context_len: int
-    pages: torch.Tensor  # [ceil(context_len / page_size)] the pages holding its context
+    query_len: int
+    first_page: int  # where its tables start in the step's ``AttentionMetadata.prefill_pages``
+
+    @property
+    def rows(self) -> int:
+        return int(self.tables.shape[0])
 
 
 @dataclass
@@ -127,7 +135,9 @@ class AttentionMetadata:
     context_lens: list[int]
     page_size: int
     decode: DecodeRows | None
-    prefill: list[PrefillRow]
+    prefill: list[PrefillGroup]
+    # Every prefill group's tables, flat, group after group: a layer gathers (and dequantises) them at once.
+    prefill_pages: torch.Tensor | None
     spans: WriteSpans | None = None  # which sequence each new token belongs to (dynamic FP8 scales)
 
     @classmethod
@@ -168,15 +178,28 @@ class AttentionMetadata:
             decode = DecodeRows.build(
                 starts[decode_rows], tables[decode_rows], contexts[decode_rows], page_size, device
             )
-        tables_t = _tensor(tables, device)
-        offsets = starts.tolist()
-        prefill = [
-            PrefillRow(
-                offsets[i], offsets[i] + n, context_lens[i], tables_t[i, : -(-context_lens[i] // page_size)]
+        chunks: dict[tuple[int, int], list[int]] = {}
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                chunks.setdefault((context_lens[i], n), []).append(i)
+        prefill, prefill_tables, first_page = [], [], 0
+        for (ctx, n), members in chunks.items():
+            tokens = (starts[members][:, None] + np.arange(n)).reshape(-1)
+            first = int(tokens[0])
+            back_to_back = bool((tokens == np.arange(first, first + len(tokens))).all())
+            group_tables = np.ascontiguousarray(tables[members, : -(-ctx // page_size)])
+            prefill.append(
+                PrefillGroup(
+                    tokens=_tensor(tokens, device),
+                    span=slice(first, first + len(tokens)) if back_to_back else None,
+                    tables=_tensor(group_tables, device),
+                    context_len=ctx,
+                    query_len=n,
+                    first_page=first_page,
+                )
             )
-            for i, n in enumerate(query_lens)
-            if n > 1
-        ]
+            prefill_tables.append(group_tables.reshape(-1))
+            first_page += group_tables.size
         return cls(
             slot_mapping=_tensor(slots, device),
             query_lens=list(query_lens),
@@ -184,6 +207,7 @@ class AttentionMetadata:
             page_size=page_size,
             decode=decode,
             prefill=prefill,
+            prefill_pages=_tensor(np.concatenate(prefill_tables), device) if prefill else None,
             spans=WriteSpans(_tensor(token_seq, device), _tensor(prev_page, device)),
         )
 
