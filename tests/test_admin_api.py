@@ -388,3 +388,23 @@ def test_cursor_pages_break_timestamp_ties_and_survive_inserts_on_both_databases
             ("create", [None, 16]),
         ]
         assert rest.next_cursor is None
+
+
+def test_deployment_numbers_past_their_columns_are_refused_on_both_databases(migrated_sessions):
+    with migrated_sessions() as session:
+        tenancy.create_deployment(
+            session, {"name": "@t/big", "checkpoint": "/x"}, actor="a", check_checkpoint_files=False
+        )
+        for field, value in (
+            ("max_num_seqs", 2**31),
+            ("max_tokens_limit", 2**31),
+            ("local_prefill_max_tokens", 2**31),
+            ("kv_budget_bytes", 2**63),
+        ):
+            with pytest.raises(tenancy.InvalidConfig, match=field):
+                tenancy.update_deployment(session, "@t/big", {field: value}, actor="a")
+        # The largest values the columns hold are taken (the database is still usable after the refusals).
+        big = {"max_num_seqs": 2**31 - 1, "kv_budget_bytes": 2**63 - 1, "local_prefill_max_tokens": 2**31 - 1}
+        tenancy.update_deployment(session, "@t/big", big, actor="a")
+        got = tenancy.get_deployment(session, "@t/big")
+        assert (got.max_num_seqs, got.kv_budget_bytes, got.local_prefill_max_tokens) == tuple(big.values())

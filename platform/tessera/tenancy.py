@@ -379,6 +379,10 @@ def update_key(
 # --- deployments -----------------------------------------------------------------------------------------
 
 
+# The columns' ranges (INTEGER, BIGINT): a larger value is a 422 that says so, not a database error.
+INT_MAX, BIGINT_MAX = 2**31 - 1, 2**63 - 1
+
+
 class DeploymentConfig(BaseModel):
     """A deployment's editable configuration, validated. Defaults are the worker's (``DeploymentSpec``)."""
 
@@ -393,13 +397,14 @@ class DeploymentConfig(BaseModel):
     prefill_weights: WeightFormat = _SPEC["prefill_weights"]
     decode_weights: WeightFormat = _SPEC["decode_weights"]
     page_size: int = _SPEC["page_size"]
-    kv_budget_bytes: int = Field(_SPEC["kv_budget_bytes"], gt=0)
-    max_num_seqs: int = Field(_SPEC["max_num_seqs"], gt=0)
-    max_model_len: int | None = Field(_SPEC["max_model_len"], gt=0)
-    max_tokens_limit: int = Field(4096, gt=0)
+    kv_budget_bytes: int = Field(_SPEC["kv_budget_bytes"], gt=0, le=BIGINT_MAX)
+    max_num_seqs: int = Field(_SPEC["max_num_seqs"], gt=0, le=INT_MAX)
+    max_model_len: int | None = Field(_SPEC["max_model_len"], gt=0, le=INT_MAX)
+    max_tokens_limit: int = Field(4096, gt=0, le=INT_MAX)
     local_prefill_max_tokens: int = Field(
         0,
         ge=0,
+        le=INT_MAX,
         description="disaggregated mode: prompts of at most this many tokens are prefilled by the decode pool "
         "itself, with its formats, skipping the prefill pool and the KV hand-off (short prompts cost more to "
         "hand off than to prefill); 0: every prompt goes through the prefill pool",
