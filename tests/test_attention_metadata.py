@@ -21,6 +21,18 @@ def scattered_tables(context_lens: list[int], seed: int = 0) -> tuple[list[list[
     return [[free.pop() for _ in range(-(-c // PAGE))] for c in context_lens], pages
 
 
+def cache_of(pages: int, kv: str, gen: torch.Generator):
+    """K and V slots of ``pages`` pages (2 KV heads of 16), as fp32 or as FP8 bits with per-page scales."""
+    k, v = torch.randn(pages * PAGE, 2, 16, generator=gen), torch.randn(pages * PAGE, 2, 16, generator=gen)
+    if kv != "fp8":
+        return k, v, (None, None)
+    scales = (torch.rand(pages, generator=gen) + 0.1, torch.rand(pages, generator=gen) + 0.1)
+    k, v = (
+        quantize_fp8(x, s.repeat_interleave(PAGE)[:, None, None]) for x, s in zip((k, v), scales, strict=True)
+    )
+    return k, v, scales
+
+
 def test_slots_and_spans_are_those_of_every_new_token():
     context, query = [9, 3, 14, 1], [1, 3, 5, 1]
     tables, _ = scattered_tables(context)
@@ -49,14 +61,7 @@ def test_many_decode_rows_grouped_by_length_attend_as_the_decode_reference(windo
     meta = AttentionMetadata.build(tables, context, [1] * len(context), PAGE)
     assert len(meta.decode.groups) > 1  # padded per group, not to the longest row
     gen = torch.Generator().manual_seed(0)
-    k, v = torch.randn(pages * PAGE, 2, 16, generator=gen), torch.randn(pages * PAGE, 2, 16, generator=gen)
-    scales = (None, None)
-    if kv == "fp8":
-        scales = (torch.rand(pages, generator=gen) + 0.1, torch.rand(pages, generator=gen) + 0.1)
-        k, v = (
-            quantize_fp8(x, s.repeat_interleave(PAGE)[:, None, None])
-            for x, s in zip((k, v), scales, strict=True)
-        )
+    k, v, scales = cache_of(pages, kv, gen)
     q = torch.randn(len(context), 4, 16, generator=gen)
     got = paged_attention_reference(q, k, v, meta, 0.25, window, *scales)
     tables_t = torch.tensor([t + [t[-1]] * (15 - len(t)) for t in tables])
@@ -106,14 +111,7 @@ def test_prefill_chunks_of_equal_lengths_attend_in_one_call_bit_for_bit_as_each_
         (13, 5, 2, True),
     ]
     gen = torch.Generator().manual_seed(4)
-    k, v = torch.randn(pages * PAGE, 2, 16, generator=gen), torch.randn(pages * PAGE, 2, 16, generator=gen)
-    scales = (None, None)
-    if kv == "fp8":
-        scales = (torch.rand(pages, generator=gen) + 0.1, torch.rand(pages, generator=gen) + 0.1)
-        k, v = (
-            quantize_fp8(x, s.repeat_interleave(PAGE)[:, None, None])
-            for x, s in zip((k, v), scales, strict=True)
-        )
+    k, v, scales = cache_of(pages, kv, gen)
     q = torch.randn(sum(query), 4, 16, generator=gen)
     got = paged_attention_reference(q, k, v, meta, 0.25, None, *scales)
     start = 0

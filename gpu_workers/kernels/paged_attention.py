@@ -132,7 +132,7 @@ def paged_attention_reference(
         v_all = _gather_pages(v_slots, pages, v_scale, page_size, q.dtype, head_dim)[0]
     for group in meta.prefill:
         ctx, n, rows = group.context_len, group.query_len, group.rows
-        lo, width = group.first_page * page_size, group.tables.shape[1] * page_size
+        lo, width = group.first_page * page_size, -(-ctx // page_size) * page_size
         k, v = (
             x[lo : lo + rows * width].view(rows, width, *x.shape[1:])[:, :ctx].transpose(1, 2)
             for x in (k_all, v_all)

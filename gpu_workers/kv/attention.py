@@ -116,14 +116,12 @@ class PrefillGroup:
 
     tokens: torch.Tensor  # [rows * query_len] flat token indices, row by row
     span: slice | None  # the same tokens as a slice, when they lie back to back in the flat batch
-    tables: torch.Tensor  # [rows, ceil(context_len / page_size)] the pages holding each row's context
+    rows: int
     context_len: int
     query_len: int
-    first_page: int  # where its tables start in the step's ``AttentionMetadata.prefill_pages``
-
-    @property
-    def rows(self) -> int:
-        return int(self.tables.shape[0])
+    # Its rows' page tables, ceil(context_len / page_size) pages each, row after row, start at this entry of
+    # the step's ``AttentionMetadata.prefill_pages``.
+    first_page: int
 
 
 @dataclass
@@ -187,12 +185,12 @@ class AttentionMetadata:
             tokens = (starts[members][:, None] + np.arange(n)).reshape(-1)
             first = int(tokens[0])
             back_to_back = bool((tokens == np.arange(first, first + len(tokens))).all())
-            group_tables = np.ascontiguousarray(tables[members, : -(-ctx // page_size)])
+            group_tables = tables[members, : -(-ctx // page_size)]
             prefill.append(
                 PrefillGroup(
                     tokens=_tensor(tokens, device),
                     span=slice(first, first + len(tokens)) if back_to_back else None,
-                    tables=_tensor(group_tables, device),
+                    rows=len(members),
                     context_len=ctx,
                     query_len=n,
                     first_page=first_page,

@@ -268,7 +268,6 @@ def _measure(
 
     return {
         "date": date.today().isoformat(),
-        "local_prefill_max_tokens": local_prefill,
         "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "deployment": {
             "name": spec.name,
