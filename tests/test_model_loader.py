@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,18 @@ def test_config_without_eos_has_empty_eos_list(checkpoint):
     edit_config(checkpoint, eos_token_id=None)
     (checkpoint / "generation_config.json").unlink()
     assert ModelConfig.from_pretrained(checkpoint).eos_token_ids == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_loading_a_model_does_not_import_torch_dynamo(arch, tmp_path):
+    """Building the model on the meta device skips torch's initialisers: their meta versions would import
+    torch._dynamo (~1.3 s of every worker's start). A fresh interpreter loads the checkpoint and says."""
+    save_tiny(arch, tmp_path / arch)
+    script = (
+        "import sys; from gpu_workers.model import load_model; "
+        f"m = load_model({str(tmp_path / arch)!r}, dtype=__import__('torch').bfloat16); "
+        "assert next(m.parameters()).abs().sum() > 0; print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

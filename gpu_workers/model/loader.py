@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError, read_json
 from gpu_workers.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -36,6 +37,20 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 INDEX_FILE = "model.safetensors.index.json"
 log = logging.getLogger(__name__)
+
+# torch's initialisers that dispatch through torch function modes (the rest call these or none).
+_INITIALISERS = frozenset({nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.constant_})
+
+
+class _SkipInit(TorchFunctionMode):
+    """Leaves a module's parameters as built while it is built: on the meta device there is nothing to
+    initialise, and torch would run the initialisers' meta versions through its Python reference ops, whose
+    first call imports torch._dynamo (~1.3 s of every worker's start, for random numbers nobody reads)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _INITIALISERS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def load_model(
@@ -63,7 +78,7 @@ def load_model(
     quant = _target_quantization(weights, stored, path, only)
     files = safetensors_files(path)
     # Built on the meta device so no memory is allocated or initialised for weights about to be overwritten.
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = MODEL_CLASSES[config.architecture](config).to(dtype)
         if quant is not None:
             convert_linears(model, quant)
