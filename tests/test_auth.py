@@ -386,3 +386,46 @@ def test_an_expired_key_is_refused_even_from_the_cache(session, acme_key):
 def test_a_key_cannot_be_created_already_expired(session, acme_key):
     with pytest.raises(tenancy.InvalidConfig, match="expires_at .* is in the past"):
         tenancy.create_key(session, "acme", expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))
+
+
+def test_the_event_loop_reads_the_version_through_its_own_client_and_other_loops_through_a_thread(
+    key_version,
+):
+    """``acurrent`` on the loop it was bound to uses the async client; anywhere else the sync one (in a
+    thread), since an async connection belongs to the loop that opened it. Each client here sees a
+    different Redis state, so the answer says which one was read."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    key_version.bump()
+    live = key_version.current()
+    async_live = aioredis.Redis.from_url(REDIS_URL)
+    sync_down = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    version = auth.KeyVersion(sync_down, key_version.name, aredis=async_live)
+
+    async def bound() -> bytes | None:
+        version.bind()
+        try:
+            return await version.acurrent()
+        finally:
+            await async_live.aclose()
+
+    assert asyncio.run(bound()) == live  # the async client, on its loop
+    assert asyncio.run(version.acurrent()) is None  # another loop: the (unreachable) sync client
+
+
+def test_the_cache_answers_without_the_database_only_under_the_version_it_was_filled_in(
+    session, acme_key, key_version
+):
+    _, raw = acme_key
+    cache = auth.KeyCache()
+    current = key_version.current()
+    assert auth.cached_key(raw, current, cache) is auth.MISS
+    assert auth.verify_in_database(session, raw, current, cache) is not None
+    assert auth.cached_key(raw, current, cache).prefix == acme_key[0].prefix
+    assert auth.cached_key(raw, None, cache) is auth.MISS  # Redis could not say: ask the database
+    key_version.bump()
+    assert auth.cached_key(raw, key_version.current(), cache) is auth.MISS
+    assert auth.cached_key("tsk_nope", current, cache) is None  # malformed: no database needed
+    assert auth.cached_key(None, current, cache) is None

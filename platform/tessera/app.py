@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = db.make_engine(settings.database_url)
     sessions = db.session_factory(engine)
     redis = connect_redis(settings.redis_url, asyncio=True)
-    # For the threads: key verification (FastAPI runs sync dependencies in a pool) and the records writer.
+    # For the threads: key checks off the app's loop or on a cache miss, and the records writer.
     sync_redis = connect_redis(settings.redis_url)
     celery = make_celery(settings.redis_url)
     recorder = Recorder(redis, settings.records_stream, settings.records_stream_maxlen)
@@ -83,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         writer.start()
         billing_consumer.start()
+        app.state.key_version.bind()  # key checks read the version through the async client on this loop
         await batch_runner.start()
         yield
         await batch_runner.stop()
@@ -97,7 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Tessera", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.sessions = sessions
-    app.state.key_version = KeyVersion(sync_redis)
+    app.state.key_version = KeyVersion(sync_redis, aredis=redis)
     app.state.gateway = gateway
     app.state.records_writer = writer
     app.state.billing_consumer = billing_consumer

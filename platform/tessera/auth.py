@@ -8,6 +8,7 @@ makes guessable, while a slow hash would cost milliseconds of gateway CPU on eve
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -20,9 +21,11 @@ from dataclasses import dataclass
 
 from cachetools import TTLCache
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import RedisError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload
+from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import connect_redis
 from tessera.models import ApiKey, utcnow
@@ -78,10 +81,17 @@ class KeyVersion:
     Versions are random tokens, not a counter, so a Redis that restarts empty can't bring back an old one.
     """
 
-    def __init__(self, redis: Redis, name: str = KEY_VERSION_KEY):
+    def __init__(self, redis: Redis, name: str = KEY_VERSION_KEY, aredis: AsyncRedis | None = None):
         self.redis = redis
+        self.aredis = aredis  # for ``acurrent`` on the loop ``bind`` names: the gateway's event loop
         self.name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._unreachable = False  # warn once per outage, not once per request
+
+    def bind(self) -> None:
+        """Let ``acurrent`` use the async client on the running loop (the app's, from its lifespan): its
+        connections belong to the loop that opened them."""
+        self._loop = asyncio.get_running_loop()
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> KeyVersion | None:
@@ -94,16 +104,33 @@ class KeyVersion:
     def current(self) -> bytes | None:
         """The version now; None when Redis cannot say, so nothing cached can be trusted."""
         try:
-            value = self.redis.get(self.name) or b""
+            value = self.redis.get(self.name)
         except RedisError as exc:
-            if not self._unreachable:
-                log.warning(
-                    "cannot read the API key version from Redis (%s): verifying keys in the database", exc
-                )
-            self._unreachable = True
-            return None
+            return self._lost(exc)
+        return self._read(value)
+
+    async def acurrent(self) -> bytes | None:
+        """``current`` without blocking the event loop: through the async client on the loop it is bound to,
+        else the sync client in a thread (say, a test client running the app on a loop of its own)."""
+        if self.aredis is None or self._loop is not asyncio.get_running_loop():
+            return await run_in_threadpool(self.current)
+        try:
+            value = await self.aredis.get(self.name)
+        except RedisError as exc:
+            return self._lost(exc)
+        return self._read(value)
+
+    def _read(self, value: bytes | None) -> bytes:
         self._unreachable = False
-        return value
+        return value or b""
+
+    def _lost(self, exc: RedisError) -> None:
+        if not self._unreachable:
+            log.warning(
+                "cannot read the API key version from Redis (%s): verifying keys in the database", exc
+            )
+        self._unreachable = True
+        return None
 
     def bump(self) -> None:
         self.redis.set(self.name, secrets.token_hex(16))
@@ -183,19 +210,42 @@ def verify_key(
     alone. The key comes back detached from ``session``, with its tenant loaded, and may be shared with later
     calls through the cache: read it, never modify it (use ``tessera.tenancy`` to change keys).
     """
-    cache = key_cache if cache is None else cache
-    if not raw:
-        return None
-    prefix = parse_prefix(raw)
-    if prefix is None:
-        return None
     # Read before the database: a change committed after this read bumps the version past it, so what
     # this call caches is dropped by the next one.
     current = b"" if version is None else version.current()
-    digest = hashlib.sha256(raw.encode()).hexdigest()
-    cached = None if current is None else cache.get(digest, current)
-    if cached is not None:
-        return cached if not _expired(cached) else None
+    known = cached_key(raw, current, cache)
+    return verify_in_database(session, raw, current, cache) if known is MISS else known
+
+
+MISS = object()  # cached_key's answer when only the database can tell
+
+
+def cached_key(
+    raw: str | None, current: bytes | None, cache: KeyCache | None = None
+) -> ApiKey | None | object:
+    """``verify_key``'s answer where it needs no database: None for a missing or malformed key, the key (or
+    None once it expired) when it was verified under ``current``, the version read before this call; else
+    ``MISS``, and ``verify_in_database`` with the same ``current`` answers. ``current`` None: Redis could
+    not say, so the cache is not trusted."""
+    if not raw or parse_prefix(raw) is None:
+        return None
+    if current is None:
+        return MISS
+    cache = key_cache if cache is None else cache
+    cached = cache.get(_digest(raw), current)
+    if cached is None:
+        return MISS
+    return cached if not _expired(cached) else None
+
+
+def verify_in_database(
+    session: Session, raw: str, current: bytes | None, cache: KeyCache | None = None
+) -> ApiKey | None:
+    """``verify_key`` past the cache: the key row, checked, and cached under ``current`` if it is valid."""
+    prefix = parse_prefix(raw)
+    if prefix is None:
+        return None
+    cache = key_cache if cache is None else cache
     key = session.scalars(
         select(ApiKey).options(joinedload(ApiKey.tenant)).where(ApiKey.prefix == prefix)
     ).one_or_none()
@@ -209,8 +259,12 @@ def verify_key(
     session.expunge(key.tenant)
     session.expunge(key)
     if current is not None:
-        cache.put(digest, key, current)
+        cache.put(_digest(raw), key, current)
     return key
+
+
+def _digest(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
 
 
 def _expired(key: ApiKey) -> bool:

@@ -140,16 +140,23 @@ class QuotaLookup:
 
     def scopes(self, tenant_id: str, key_id: str) -> list[Scope]:
         now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get((tenant_id, key_id))
-        if hit is not None and hit[0] > now:
-            return hit[1]
+        hit = self.cached(tenant_id, key_id, now)
+        if hit is not None:
+            return hit
         scopes = self._load(tenant_id, key_id)
         with self._lock:
             if len(self._cache) >= self.max_entries:
                 self._cache.clear()
             self._cache[(tenant_id, key_id)] = (now + self.ttl_s, scopes)
         return scopes
+
+    def cached(self, tenant_id: str, key_id: str, now: float | None = None) -> list[Scope] | None:
+        """The scopes if they are cached and fresh, else None: no database query (the event loop may ask)."""
+        with self._lock:
+            hit = self._cache.get((tenant_id, key_id))
+        if hit is not None and hit[0] > (time.monotonic() if now is None else now):
+            return hit[1]
+        return None
 
     def _load(self, tenant_id: str, key_id: str) -> list[Scope]:
         names = (tenant_scope(tenant_id), key_scope(key_id))
@@ -278,6 +285,18 @@ class PriceCache:
                 if price.effective_from <= when:
                     return price
         return None
+
+    def cached_at(self, model: str, when: datetime) -> tuple[PriceVersion | None] | None:
+        """``(at(model, when),)`` when the versions it reads are cached, else None: no database query."""
+        for name in (model, DEFAULT_MODEL):
+            with self._lock:
+                versions = self._cache.get(name)
+            if versions is None:
+                return None
+            for price in versions:
+                if price.effective_from <= when:
+                    return (price,)
+        return (None,)
 
     def _versions(self, model: str) -> tuple[PriceVersion, ...]:
         with self._lock:

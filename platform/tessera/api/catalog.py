@@ -51,9 +51,8 @@ class Catalog:
             # Never a deployment: no database round trip, no negative-cache entry, and no text (a NUL,
             # say) that one database or another refuses to compare.
             raise _not_found(name)
-        with self._lock:
-            cached = self._models.get(name)
-        if cached is not None and cached[0] > time.monotonic():
+        cached = self._cached(name)
+        if cached is not None:
             model = cached[1]
         else:
             with self._sessions() as session:
@@ -65,6 +64,23 @@ class Catalog:
         if model is None:
             raise _not_found(name)
         return model
+
+    def cached(self, name: str) -> Model | None:
+        """``get(name)`` if it needs no database read (a fresh entry: the model, or a 404 for one known not to
+        be enabled), else None."""
+        if not DEPLOYMENT_NAME_RE.fullmatch(name):
+            raise _not_found(name)
+        cached = self._cached(name)
+        if cached is None:
+            return None
+        if cached[1] is None:
+            raise _not_found(name)
+        return cached[1]
+
+    def _cached(self, name: str) -> tuple[float, Model | None] | None:
+        with self._lock:
+            cached = self._models.get(name)
+        return cached if cached is not None and cached[0] > time.monotonic() else None
 
     def enabled(self) -> list[tuple[str, int]]:
         """(model id, created unix time) of every enabled deployment, by name."""

@@ -13,8 +13,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload
+from starlette.concurrency import run_in_threadpool
 
-from tessera.auth import verify_key
+from tessera.auth import MISS, cached_key, verify_in_database
 from tessera.errors import APIError
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey, utcnow
 
@@ -63,10 +64,11 @@ def bearer_token(header: str | None) -> str | None:
     return token.strip() or None
 
 
-def current_caller(request: Request) -> Caller:
-    """The caller's tenant and key, or 401. Sync on purpose: FastAPI runs it in a thread, and a cache
-    miss reads the database (and every call reads the shared key version from Redis)."""
-    key = _verified_key(request)
+async def current_caller(request: Request) -> Caller:
+    """The caller's tenant and key, or 401. A key verified under the current key version (one async Redis
+    read) is answered from this process's cache on the event loop; a cache miss and a session cookie read
+    the database, in a thread."""
+    key = await _verified_key(request)
     if not key.has_scope(SCOPE_INFERENCE):
         raise APIError(
             403, "this API key lacks the 'inference' scope; use an inference key", "permission_denied"
@@ -74,9 +76,9 @@ def current_caller(request: Request) -> Caller:
     return _caller(key)
 
 
-def require_admin(request: Request) -> Caller:
+async def require_admin(request: Request) -> Caller:
     """An admin-scoped caller, or 401 (no valid key) / 403 (a valid key without the admin scope)."""
-    key = _verified_key(request)
+    key = await _verified_key(request)
     if not key.has_scope(SCOPE_ADMIN):
         raise APIError(
             403,
@@ -86,16 +88,25 @@ def require_admin(request: Request) -> Caller:
     return _caller(key)
 
 
-def _verified_key(request: Request) -> ApiKey:
+async def _verified_key(request: Request) -> ApiKey:
     header = request.headers.get("authorization")
     if header is None and SESSION_COOKIE in request.cookies:
-        return _cookie_key(request)
+        return await run_in_threadpool(_cookie_key, request)
     raw = bearer_token(header)
-    with request.app.state.sessions() as session:
-        key = verify_key(session, raw, version=request.app.state.key_version)
+    version = request.app.state.key_version
+    # Read before the database (see verify_key), and only once: the cache and the database answer for it.
+    current = b"" if version is None else await version.acurrent()
+    key = cached_key(raw, current)
+    if key is MISS:
+        key = await run_in_threadpool(_verify_in_database, request, raw, current)
     if key is None:
         raise APIError(401, UNAUTHORIZED, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return key
+
+
+def _verify_in_database(request: Request, raw: str, current: bytes | None) -> ApiKey | None:
+    with request.app.state.sessions() as session:
+        return verify_in_database(session, raw, current)
 
 
 def _cookie_key(request: Request) -> ApiKey:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from celery import Celery
@@ -33,14 +34,17 @@ from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from tessera.errors import APIError
 from tessera.models import utcnow
-from tessera.quota_config import PriceCache, QuotaLookup, charge, max_cost
-from tessera.quotas import Held, Quotas, QuotaUnavailable
+from tessera.quota_config import PriceCache, PriceVersion, QuotaLookup, charge, max_cost
+from tessera.quotas import Held, Quotas, QuotaUnavailable, Scope
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)
 
 AFFINITY_HEADER = "x-session-affinity"
 REJECT_IF_BUSY_HEADER = "x-reject-if-busy"
+# A body this small tokenises on the event loop (~0.3 ms at most: about what a thread hop costs); larger
+# ones in a thread, so a long prompt never stalls the other requests' streams.
+INLINE_PREPARE_BYTES = 1024
 DEADLINE_GRACE_S = 2.0  # the gateway outwaits the worker's own deadline, so the worker's error arrives first
 router = APIRouter()
 
@@ -71,9 +75,10 @@ class Gateway:
         if self.prices is None:
             self.prices = PriceCache(self.quota_lookup.sessions)
 
-    def prepare(self, body: GenerationRequest) -> Prepared:
-        """Validate ``body`` against its model and tokenise it. Sync: runs in a thread (tokenising is CPU)."""
-        model = self.catalog.get(body.model)
+    def prepare(self, body: GenerationRequest, model: Model | None = None) -> Prepared:
+        """Validate ``body`` against its model (``model``: looked up already) and tokenise it. Sync: a thread
+        runs it, unless ``prepare_for`` finds it cheap."""
+        model = model or self.catalog.get(body.model)
         prompt_ids = self._prompt_ids(model, body)
         if not prompt_ids:
             raise APIError(
@@ -123,6 +128,16 @@ class Gateway:
                 400, "stop strings need a tokenizer, which this model lacks", "no_tokenizer", param="stop"
             )
         return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage)
+
+    async def prepare_for(self, request: Request, body: GenerationRequest) -> Prepared:
+        """``prepare``, on the event loop for a request body of at most ``INLINE_PREPARE_BYTES`` whose model
+        the catalog holds (no database read), else in a thread."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) <= INLINE_PREPARE_BYTES:
+            model = self.catalog.cached(body.model)
+            if model is not None:
+                return self.prepare(body, model)
+        return await run_in_threadpool(self.prepare, body)
 
     def _prompt_ids(self, model: Model, body: GenerationRequest) -> list[int]:
         tokenizer = model.tokenizer
@@ -182,11 +197,12 @@ class Gateway:
         started_at = utcnow()
         prompt_tokens = len(prepared.prompt_ids)
 
-        def lookup():  # cached: no database query on most requests
-            scopes = self.quota_lookup.scopes(caller.tenant_id, caller.key_id)
-            return scopes, self.prices.at(spec.name, started_at)  # the version billing prices it with
-
-        scopes, price = await run_in_threadpool(lookup)
+        # The caller's quota scopes and the price version billing prices the request with, both cached: most
+        # requests read no database and stay on the event loop; a miss reads it in a thread.
+        looked_up = self._cached_lookup(caller, spec.name, started_at)
+        if looked_up is None:
+            looked_up = await run_in_threadpool(self._lookup, caller, spec.name, started_at)
+        scopes, price = looked_up
         try:
             decision, reservation = await self.quotas.admit(
                 rid,
@@ -292,6 +308,16 @@ class Gateway:
             if not streamed:
                 await held.settle()
 
+    def _cached_lookup(
+        self, caller: Caller, model: str, at: datetime
+    ) -> tuple[list[Scope], PriceVersion | None] | None:
+        scopes = self.quota_lookup.cached(caller.tenant_id, caller.key_id)
+        priced = self.prices.cached_at(model, at)
+        return None if scopes is None or priced is None else (scopes, priced[0])
+
+    def _lookup(self, caller: Caller, model: str, at: datetime) -> tuple[list[Scope], PriceVersion | None]:
+        return self.quota_lookup.scopes(caller.tenant_id, caller.key_id), self.prices.at(model, at)
+
     async def _check_capacity(self, route: routing.Route, reject_if_busy: bool) -> None:
         """Refuse a request whose worker queue already holds ``max_queue_depth`` waiting tasks."""
         try:
@@ -338,14 +364,14 @@ def gateway(request: Request) -> Gateway:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, caller: CurrentCaller) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
-    prepared = await run_in_threadpool(gateway(request).prepare, body)
+    prepared = await gateway(request).prepare_for(request, body)
     return await gateway(request).serve(request, caller, prepared, "chat")
 
 
 @router.post("/v1/completions")
 async def completions(request: Request, caller: CurrentCaller) -> Response:
     body = await parse_body(request, CompletionRequest)
-    prepared = await run_in_threadpool(gateway(request).prepare, body)
+    prepared = await gateway(request).prepare_for(request, body)
     return await gateway(request).serve(request, caller, prepared, "text")
 
 

@@ -244,10 +244,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 _ACCOUNT_NOT_FOUND = "Could not route to {path}, perhaps your object identifier is invalid?"
 
 
-def account_caller(request: Request, account_id: str) -> Caller:
+async def account_caller(request: Request, account_id: str) -> Caller:
     """The caller, whose tenant must be ``account_id``. A dependency, so auth and the account are checked
     before the body's fields (FastAPI reports field errors after dependencies)."""
-    caller = current_caller(request)
+    caller = await current_caller(request)
     if account_id != caller.tenant_id:
         raise APIError(404, _ACCOUNT_NOT_FOUND.format(path=request.url.path), "account_not_found")
     return caller
@@ -324,7 +324,7 @@ async def run_model(
         )
     gw = gateway(request)
     openai_body = _openai_request(model, body)
-    prepared = await run_in_threadpool(gw.prepare, openai_body)
+    prepared = await gw.prepare_for(request, openai_body)
     kind = "chat" if isinstance(openai_body, ChatCompletionRequest) else "text"
     reject = bool(body.options and body.options.rejectIfBusy)
     return await gw.serve(request, caller, prepared, kind, streaming.WorkersAIShape(), reject_if_busy=reject)
