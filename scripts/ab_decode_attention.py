@@ -21,11 +21,24 @@ import torch
 from gpu_workers.kernels import paged_attention_cpu as this
 
 
-def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
-    path = Path(base_tree) / "gpu_workers/kernels/paged_attention_cpu.py"
-    # numba cannot load its disk cache of a module imported from a path (it was compiled as '<dynamic>')
+def drop_numba_cache(path: Path) -> None:
+    """Numba cannot load its disk cache of a module imported from a path (it was compiled as '<dynamic>'),
+    and the other tree cannot load what such an import writes there: drop the kernel's cache before the run
+    and after it."""
     for cached in path.parent.glob("__pycache__/paged_attention_cpu.*.nb[ic]"):
         cached.unlink()
+
+
+def main(base_tree: str, heads: int, kv_heads: int, rows: int) -> None:
+    path = Path(base_tree) / "gpu_workers/kernels/paged_attention_cpu.py"
+    drop_numba_cache(path)
+    try:
+        compare(path, heads, kv_heads, rows)
+    finally:
+        drop_numba_cache(path)
+
+
+def compare(path: Path, heads: int, kv_heads: int, rows: int) -> None:
     spec = importlib.util.spec_from_file_location("base_paged_attention_cpu", path)
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)

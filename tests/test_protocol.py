@@ -149,3 +149,25 @@ def test_the_async_client_serves_more_concurrent_commands_than_its_pool_holds():
             await client.aclose()
 
     assert asyncio.run(go()) == [None] * 600  # every call waited for a connection instead of raising
+
+
+def test_a_published_task_carries_its_payload_but_shows_no_prompt_in_its_headers():
+    """Celery would copy a repr of the args (the prompt's token ids) into every message's headers, where
+    monitors show them; the payload itself must still reach the worker whole."""
+    import os
+    import uuid
+
+    from gpu_workers.protocol import ARGS_SHOWN, TASK_SERVE, make_celery, send_task
+
+    url = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    app = make_celery(url)
+    queue = f"tessera.test.{uuid.uuid4().hex}"
+    task = dataclasses.replace(TASK, prompt_ids=[424242, 515151, 606060])
+    send_task(app, TASK_SERVE, task.to_json(), queue, expires=60)
+    with app.connection_for_write() as conn:
+        message = conn.default_channel.basic_get(queue, no_ack=True)
+    assert message is not None and message.headers["task"] == TASK_SERVE
+    assert message.headers["argsrepr"] == ARGS_SHOWN
+    assert "424242" not in json.dumps(message.headers)
+    (payload,), kwargs, _ = message.decode()
+    assert GenerateTask.from_json(payload) == task and kwargs == {}

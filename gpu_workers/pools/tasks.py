@@ -54,6 +54,7 @@ from gpu_workers.protocol import (
     Usage,
     cancel_key,
     pool_queue,
+    send_task,
     worker_queue,
 )
 
@@ -155,7 +156,7 @@ class TaskRunner:
         if self.engine.failed is not None:
             # This worker is on its way out (worker.py); a task it has not started belongs to a live peer.
             log.warning("engine failed; handing %s of request %s back to its pool", name, task.request_id)
-            self.app.send_task(name, args=[payload], queue=pool_queue(task.deployment, self.pool))
+            send_task(self.app, name, payload, pool_queue(task.deployment, self.pool))
             return
         stream = RequestStream(self.client, task.request_id, self.worker_id)
         state = stream.state()
@@ -243,7 +244,7 @@ class TaskRunner:
         )
         decode = updated(task, decode_queue=decode_queue, handoff=header)
         try:
-            self.app.send_task(TASK_DECODE, args=[decode.to_json()], queue=decode_queue)
+            send_task(self.app, TASK_DECODE, decode.to_json(), decode_queue)
         except Exception:
             self.handoff.discard(header)
             raise
@@ -383,7 +384,7 @@ class TaskRunner:
                 if state.events <= (1 if name == TASK_DECODE else 0) and time.time() < task.deadline:
                     log.warning("re-queueing request %s of dead worker %s", task.request_id, dead_worker_id)
                     stream.release()
-                    self.app.send_task(name, args=[payload], queue=pool_queue(task.deployment, self.pool))
+                    send_task(self.app, name, payload, pool_queue(task.deployment, self.pool))
                 else:
                     log.warning("failing request %s of dead worker %s", task.request_id, dead_worker_id)
                     stream.publish(worker_lost())
@@ -398,6 +399,6 @@ class TaskRunner:
             channel = conn.default_channel
             while (message := channel.basic_get(worker_queue(worker_id), no_ack=True)) is not None:
                 name = message.headers["task"]
-                args, kwargs, _ = message.decode()
-                pool_q = pool_q or pool_queue(GenerateTask.from_json(args[0]).deployment, self.pool)
-                self.app.send_task(name, args=args, kwargs=kwargs, queue=pool_q)
+                (payload,), _, _ = message.decode()
+                pool_q = pool_q or pool_queue(GenerateTask.from_json(payload).deployment, self.pool)
+                send_task(self.app, name, payload, pool_q)

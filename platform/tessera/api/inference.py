@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from billing import metrics
-from gpu_workers.protocol import GenerateTask, Sampling
+from gpu_workers.protocol import GenerateTask, Sampling, send_task
 from gpu_workers.tokenizer import ChatTemplateError
 from tessera import records, routing, streaming
 from tessera.api.catalog import Catalog, Model
@@ -346,11 +346,7 @@ class Gateway:
         expires = max(1.0, task.deadline - time.time())
         try:
             await run_in_threadpool(
-                self.celery.send_task,
-                route.task_name,
-                args=[task.to_json()],
-                queue=route.queue,
-                expires=expires,
+                send_task, self.celery, route.task_name, task.to_json(), route.queue, expires=expires
             )
         except OperationalError as e:
             log.error("could not queue request %s: %s", task.request_id, e)

@@ -235,6 +235,7 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
         Event,
         GenerateTask,
         connect_redis,
+        send_task,
         stream_key,
         worker_queue,
     )
@@ -336,9 +337,7 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
             "Celery publish (send_task: LPUSH and kombu's bookkeeping)",
             1,
             True,
-            lambda: gateway.celery.send_task(
-                TASK_SERVE, args=[task.to_json()], queue=scratch_queue, expires=60
-            ),
+            lambda: send_task(gateway.celery, TASK_SERVE, task.to_json(), scratch_queue, expires=60),
         ),
         (
             "quotas: admit + settle, every limit set (two Lua scripts; tenants with quotas only)",
