@@ -66,8 +66,11 @@ async def live_workers(
     redis: aioredis.Redis, deployment: str, pool: str, ttl_s: float, now: float | None = None
 ) -> list[WorkerInfo]:
     """Workers of ``pool`` whose last heartbeat is within ``ttl_s``; stale entries are ignored, not deleted."""
-    now = time.time() if now is None else now
     entries = await redis.hgetall(workers_key(deployment, pool))
+    return _live(entries, ttl_s, time.time() if now is None else now)
+
+
+def _live(entries: dict[bytes, bytes], ttl_s: float, now: float) -> list[WorkerInfo]:
     workers = []
     for raw in entries.values():
         try:
@@ -90,7 +93,10 @@ async def is_live(redis: aioredis.Redis, deployment: str, pool: str, worker_id: 
 
 
 async def pick(redis: aioredis.Redis, deployment: str, pool: str, key: bytes, ttl_s: float) -> WorkerInfo:
-    workers = await live_workers(redis, deployment, pool, ttl_s)
+    return _pick(await live_workers(redis, deployment, pool, ttl_s), deployment, pool, key)
+
+
+def _pick(workers: list[WorkerInfo], deployment: str, pool: str, key: bytes) -> WorkerInfo:
     if not workers:
         raise NoLiveWorker(
             f"no live {pool} worker for model {deployment!r}; start one with "
@@ -117,8 +123,14 @@ async def route(
     if prefill_locally:
         decode = await pick(redis, spec.name, "decode", key, ttl_s)
         return Route(TASK_SERVE, queue_of(decode), (("decode", decode.worker_id),))
-    prefill = await pick(redis, spec.name, "prefill", key, ttl_s)
-    # Decode follows the same key, so one session's decodes share a worker too.
-    decode = await pick(redis, spec.name, "decode", key, ttl_s)
+    # Both pools' heartbeats in one round trip. Decode follows the same key, so one session's decodes share a
+    # worker too.
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(workers_key(spec.name, "prefill"))
+        pipe.hgetall(workers_key(spec.name, "decode"))
+        prefill_entries, decode_entries = await pipe.execute()
+    now = time.time()
+    prefill = _pick(_live(prefill_entries, ttl_s, now), spec.name, "prefill", key)
+    decode = _pick(_live(decode_entries, ttl_s, now), spec.name, "decode", key)
     workers = (("prefill", prefill.worker_id), ("decode", decode.worker_id))
     return Route(TASK_PREFILL, queue_of(prefill), workers, queue_of(decode))
