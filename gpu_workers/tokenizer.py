@@ -5,6 +5,7 @@ The gateway uses this to count and encode prompts, so it must stay importable wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from datetime import datetime
@@ -68,6 +69,16 @@ class Tokenizer:
     def _template(self) -> jinja2.Template:
         # Compiled on first use, so a broken template fails chat requests rather than loading the model.
         return _environment().from_string(self.chat_template)
+
+    def warm(self) -> None:
+        """Build now what chat requests would build on first use (the compiled template, the special tokens'
+        texts, the copy that reads them as plain text), so that no request pays for it where it runs; a
+        template that does not compile still fails only chat requests."""
+        if self.chat_template is None:
+            return
+        _ = self._special_texts, self._literal
+        with contextlib.suppress(jinja2.TemplateError):
+            _ = self._template
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

@@ -429,3 +429,23 @@ def test_the_cache_answers_without_the_database_only_under_the_version_it_was_fi
     assert auth.cached_key(raw, key_version.current(), cache) is auth.MISS
     assert auth.cached_key("tsk_nope", current, cache) is None  # malformed: no database needed
     assert auth.cached_key(None, current, cache) is None
+
+
+def test_an_unreachable_redis_on_the_bound_loop_reads_as_no_version(key_version):
+    """The async read fails like the sync one: None, so the cache is not trusted and the database decides."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    down = aioredis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    version = auth.KeyVersion(key_version.redis, key_version.name, aredis=down)
+
+    async def bound() -> bytes | None:
+        version.bind()
+        try:
+            return await version.acurrent()
+        finally:
+            await down.aclose()
+
+    assert asyncio.run(bound()) is None
+    assert version.current() is not None  # the sync client (live) would have answered: the async one was read

@@ -186,3 +186,18 @@ def test_control_token_text_under_a_rewriting_template_is_a_chat_template_error(
     assert tokenizer.encode_chat([{"role": "user", "content": " plain\ntext "}])
     with pytest.raises(ChatTemplateError, match="'</s>'"):
         tokenizer.encode_chat([{"role": "user", "content": " a</s>\nb "}])
+
+
+def test_warming_builds_the_chat_path_up_front_and_a_broken_template_still_fails_only_chat(tmp_path):
+    """The gateway warms each model's tokenizer in a thread (a small request may tokenise on its event loop):
+    afterwards a chat prompt, a control token's text in it or not, needs nothing built; warming a template
+    that does not compile leaves plain completions working."""
+    tokenizer = load_tokenizer(write_checkpoint_tokenizer(tmp_path / "ok", chat_template=CHAT_TEMPLATE))
+    assert not {"_template", "_special_texts", "_literal"} & set(vars(tokenizer))  # lazy until warmed
+    tokenizer.warm()
+    assert {"_template", "_special_texts", "_literal"} <= set(vars(tokenizer))
+    broken = load_tokenizer(write_checkpoint_tokenizer(tmp_path / "broken", chat_template="{% if %}"))
+    broken.warm()
+    assert broken.encode("hello there") == tokenizer.encode("hello there")
+    with pytest.raises(ChatTemplateError):
+        broken.encode_chat(MESSAGES)

@@ -398,7 +398,11 @@ class TaskRunner:
         with self.app.connection_for_write() as conn:
             channel = conn.default_channel
             while (message := channel.basic_get(worker_queue(worker_id), no_ack=True)) is not None:
-                name = message.headers["task"]
-                (payload,), _, _ = message.decode()
-                pool_q = pool_q or pool_queue(GenerateTask.from_json(payload).deployment, self.pool)
+                try:
+                    name = message.headers["task"]
+                    (payload,), _, _ = message.decode()
+                    pool_q = pool_q or pool_queue(GenerateTask.from_json(payload).deployment, self.pool)
+                except Exception:  # not a task of ours: drop it, and move the rest
+                    log.exception("dropping an unreadable message from the queue of worker %s", worker_id)
+                    continue
                 send_task(self.app, name, payload, pool_q)

@@ -113,6 +113,8 @@ class Catalog:
         if loaded is None:
             try:
                 loaded = ModelConfig.from_pretrained(Path(spec.checkpoint)), load_tokenizer(spec.checkpoint)
+                if loaded[1] is not None:
+                    loaded[1].warm()  # here, in a thread: a small request may tokenise on the event loop
             except (ModelLoadError, OSError, ValueError) as e:
                 raise APIError(
                     503,
