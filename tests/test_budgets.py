@@ -355,3 +355,47 @@ def test_the_cli_sets_the_spend_budget_in_usd_and_refuses_more_than_6_decimals(t
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--monthly-spend-usd", "1.0000001"])
     assert exit_.value.code == 2 and "at most 6 decimals" in capsys.readouterr().err
+
+
+def test_an_expired_quota_entry_is_read_once_however_many_requests_find_it_expired(tmp_path):
+    """Every concurrent request that finds a caller's scopes expired used to read the database itself; now
+    one reads and the others take its result. The database is made slow (a sleep on each limits query, in
+    SQLAlchemy's own cursor hook), so all eight requests are there while the first read runs."""
+    import threading
+    import time
+
+    from sqlalchemy import event
+
+    url = f"sqlite:///{tmp_path / 'quotas.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    sessions = db.session_factory(engine)
+    with sessions() as session:
+        tenancy.create_tenant(session, "acme")
+        key, _ = tenancy.create_key(session, "acme")
+        tenant_id, key_id = key.tenant_id, key.id
+    reads = []
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def slow_limits(conn, cursor, statement, *args):
+        if "quota_limits" in statement:
+            reads.append(statement)
+            time.sleep(0.2)
+
+    lookup = quota_config.QuotaLookup(sessions, ttl_s=0.5)  # outlives a read (0.2 s here)
+    first = lookup.scopes(tenant_id, key_id)
+    assert len(reads) == 1
+    time.sleep(0.6)  # expired
+    start = threading.Barrier(8)
+    results = []
+
+    def request():
+        start.wait()
+        results.append(lookup.scopes(tenant_id, key_id))
+
+    threads = [threading.Thread(target=request) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reads) == 2 and results == [first] * 8

@@ -127,7 +127,9 @@ def list_key_limits(session: Session, tenant: str) -> dict[str, Limits]:
 
 class QuotaLookup:
     """The scopes a caller's request is admitted against, read from the database at most once per
-    ``ttl_s`` per (tenant, key). Sync: the gateway calls it from a thread."""
+    ``ttl_s`` per (tenant, key): when an entry expires, the requests that find it so wait for one read
+    instead of each making its own. The gateway asks ``cached`` on its event loop and ``scopes`` (which may
+    read the database) from a thread."""
 
     def __init__(
         self, sessions: sessionmaker[Session], ttl_s: float = CACHE_TTL_S, max_entries: int = 10_000
@@ -136,18 +138,28 @@ class QuotaLookup:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._cache: dict[tuple[str, str], tuple[float, list[Scope]]] = {}
+        self._loading: dict[tuple[str, str], threading.Lock] = {}  # one read of a (tenant, key) at a time
         self._lock = threading.Lock()
 
     def scopes(self, tenant_id: str, key_id: str) -> list[Scope]:
-        now = time.monotonic()
-        hit = self.cached(tenant_id, key_id, now)
+        hit = self.cached(tenant_id, key_id)
         if hit is not None:
             return hit
-        scopes = self._load(tenant_id, key_id)
+        key = (tenant_id, key_id)
         with self._lock:
-            if len(self._cache) >= self.max_entries:
-                self._cache.clear()
-            self._cache[(tenant_id, key_id)] = (now + self.ttl_s, scopes)
+            if len(self._loading) >= self.max_entries:
+                self._loading.clear()  # a holder keeps its lock; at worst one more read
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            now = time.monotonic()
+            hit = self.cached(tenant_id, key_id, now)  # read by the request this one waited for
+            if hit is not None:
+                return hit
+            scopes = self._load(tenant_id, key_id)
+            with self._lock:
+                if len(self._cache) >= self.max_entries:
+                    self._cache.clear()
+                self._cache[key] = (now + self.ttl_s, scopes)
         return scopes
 
     def cached(self, tenant_id: str, key_id: str, now: float | None = None) -> list[Scope] | None:
