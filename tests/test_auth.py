@@ -388,6 +388,15 @@ def test_a_key_cannot_be_created_already_expired(session, acme_key):
         tenancy.create_key(session, "acme", expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))
 
 
+async def read_bound(version: auth.KeyVersion) -> bytes | None:
+    """``version.acurrent()`` on a loop ``version`` is bound to; its async client is closed after."""
+    version.bind()
+    try:
+        return await version.acurrent()
+    finally:
+        await version.aredis.aclose()
+
+
 def test_the_event_loop_reads_the_version_through_its_own_client_and_other_loops_through_a_thread(
     key_version,
 ):
@@ -404,14 +413,7 @@ def test_the_event_loop_reads_the_version_through_its_own_client_and_other_loops
     sync_down = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     version = auth.KeyVersion(sync_down, key_version.name, aredis=async_live)
 
-    async def bound() -> bytes | None:
-        version.bind()
-        try:
-            return await version.acurrent()
-        finally:
-            await async_live.aclose()
-
-    assert asyncio.run(bound()) == live  # the async client, on its loop
+    assert asyncio.run(read_bound(version)) == live  # the async client, on its loop
     assert asyncio.run(version.acurrent()) is None  # another loop: the (unreachable) sync client
 
 
@@ -440,12 +442,5 @@ def test_an_unreachable_redis_on_the_bound_loop_reads_as_no_version(key_version)
     down = aioredis.Redis(port=free_port(), socket_connect_timeout=0.5)
     version = auth.KeyVersion(key_version.redis, key_version.name, aredis=down)
 
-    async def bound() -> bytes | None:
-        version.bind()
-        try:
-            return await version.acurrent()
-        finally:
-            await down.aclose()
-
-    assert asyncio.run(bound()) is None
+    assert asyncio.run(read_bound(version)) is None
     assert version.current() is not None  # the sync client (live) would have answered: the async one was read

@@ -210,6 +210,8 @@ def verify_key(
     alone. The key comes back detached from ``session``, with its tenant loaded, and may be shared with later
     calls through the cache: read it, never modify it (use ``tessera.tenancy`` to change keys).
     """
+    if not raw or parse_prefix(raw) is None:  # never a key: no Redis read, no database read
+        return None
     # Read before the database: a change committed after this read bumps the version past it, so what
     # this call caches is dropped by the next one.
     current = b"" if version is None else version.current()

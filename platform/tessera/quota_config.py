@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
@@ -292,23 +293,29 @@ class PriceCache:
 
     def at(self, model: str, when: datetime) -> PriceVersion | None:
         """The version in effect at ``when`` for ``model``, else for the default row (as ``billing.PriceBook``)."""
+        return self._in_effect(model, when, self._versions)
+
+    def cached_at(self, model: str, when: datetime) -> tuple[PriceVersion | None] | None:
+        """``(at(model, when),)`` when the versions it reads are cached, else None: no database query."""
+        try:
+            return (self._in_effect(model, when, self._cached),)
+        except KeyError:
+            return None
+
+    @staticmethod
+    def _in_effect(
+        model: str, when: datetime, versions_of: Callable[[str], tuple[PriceVersion, ...]]
+    ) -> PriceVersion | None:
         for name in (model, DEFAULT_MODEL):
-            for price in self._versions(name):
+            for price in versions_of(name):
                 if price.effective_from <= when:
                     return price
         return None
 
-    def cached_at(self, model: str, when: datetime) -> tuple[PriceVersion | None] | None:
-        """``(at(model, when),)`` when the versions it reads are cached, else None: no database query."""
-        for name in (model, DEFAULT_MODEL):
-            with self._lock:
-                versions = self._cache.get(name)
-            if versions is None:
-                return None
-            for price in versions:
-                if price.effective_from <= when:
-                    return (price,)
-        return (None,)
+    def _cached(self, model: str) -> tuple[PriceVersion, ...]:
+        """The cached versions of ``model``; KeyError when they are not (or no longer) cached."""
+        with self._lock:
+            return self._cache[model]
 
     def _versions(self, model: str) -> tuple[PriceVersion, ...]:
         with self._lock:

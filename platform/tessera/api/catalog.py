@@ -47,20 +47,15 @@ class Catalog:
 
     def get(self, name: str) -> Model:
         """The enabled deployment ``name``, or a 404 that says how to find the valid ids."""
-        if not DEPLOYMENT_NAME_RE.fullmatch(name):
-            # Never a deployment: no database round trip, no negative-cache entry, and no text (a NUL,
-            # say) that one database or another refuses to compare.
-            raise _not_found(name)
-        cached = self._cached(name)
-        if cached is not None:
-            model = cached[1]
-        else:
-            with self._sessions() as session:
-                row = session.get(Deployment, name)
-                model = self._model(row) if row is not None and row.enabled else None
-            with self._lock:
-                if model is not None or len(self._models) < 10_000:  # unknown names can't grow it unbounded
-                    self._models[name] = (time.monotonic() + self._ttl_s, model)
+        model = self.cached(name)
+        if model is not None:
+            return model
+        with self._sessions() as session:
+            row = session.get(Deployment, name)
+            model = self._model(row) if row is not None and row.enabled else None
+        with self._lock:
+            if model is not None or len(self._models) < 10_000:  # unknown names can't grow it unbounded
+                self._models[name] = (time.monotonic() + self._ttl_s, model)
         if model is None:
             raise _not_found(name)
         return model
@@ -69,18 +64,16 @@ class Catalog:
         """``get(name)`` if it needs no database read (a fresh entry: the model, or a 404 for one known not to
         be enabled), else None."""
         if not DEPLOYMENT_NAME_RE.fullmatch(name):
+            # Never a deployment: no database round trip, no negative-cache entry, and no text (a NUL,
+            # say) that one database or another refuses to compare.
             raise _not_found(name)
-        cached = self._cached(name)
-        if cached is None:
+        with self._lock:
+            cached = self._models.get(name)
+        if cached is None or cached[0] <= time.monotonic():
             return None
         if cached[1] is None:
             raise _not_found(name)
         return cached[1]
-
-    def _cached(self, name: str) -> tuple[float, Model | None] | None:
-        with self._lock:
-            cached = self._models.get(name)
-        return cached if cached is not None and cached[0] > time.monotonic() else None
 
     def enabled(self) -> list[tuple[str, int]]:
         """(model id, created unix time) of every enabled deployment, by name."""
