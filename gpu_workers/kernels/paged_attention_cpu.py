@@ -8,7 +8,8 @@ fp32's) or fp32, widened inside the dot products rather than into a tile. Scores
 summed at once (four independent reductions), softmax in fp32 over the row's own positions with a
 vectorisable exp, then V four positions at a time; the next pages are prefetched, since a pool's pages
 sit anywhere in memory. A KV head's query heads (its GQA group) are served together, so each K and V
-position is read once for the group, not once per query head; FP8 positions are widened once into a
+position is read once for the group, not once per query head, and two query heads at a time share each
+value widened in registers; for groups of more than four, FP8 positions are widened once into a
 four-position tile that every head of the group reads (widening e4m3 costs more than the tile). Each query
 head's sums keep their order, as in a head-at-a-time walk; fastmath still lets the compiler contract a
 product into an FMA differently per code shape and CPU, so a value may differ from such a walk in its last
@@ -96,10 +97,94 @@ def _exp(x):
 
 @numba.njit(**_JIT)
 def _widen_rows(slots, first, count, head, tile):
-    """``count`` positions of one KV head from slot ``first`` on, widened into the first rows of ``tile``."""
+    """``count`` positions of one KV head from slot ``first`` on, widened into the first rows of ``tile``
+    [4, 1, dim] (shaped as slots are, so that the loops below read either)."""
     for j in range(count):
-        for d in range(tile.shape[1]):
-            tile[j, d] = widen(slots[first + j, head, d])
+        for d in range(tile.shape[2]):
+            tile[j, 0, d] = widen(slots[first + j, head, d])
+
+
+@numba.njit(inline="always", **_JIT)
+def _scores(qs, src, first, head, factor, probs, t):
+    """Scores of four positions of one KV head (``src[first:first + 4, head]``: a page's slots, or their
+    widened tile at 0, 0) for every query head of its group (``qs`` [group, dim]), times ``factor``, into
+    ``probs[:, t:t + 4]``. Two query heads at a time share each widened value; each head's four sums are
+    independent, so their reductions overlap rather than queue."""
+    group, dim = qs.shape
+    paired = group - group % 2
+    for g in range(0, paired, 2):
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        r0 = np.float32(0.0)
+        r1 = np.float32(0.0)
+        r2 = np.float32(0.0)
+        r3 = np.float32(0.0)
+        for d in range(dim):
+            x, y = qs[g, d], qs[g + 1, d]
+            k0, k1 = widen(src[first, head, d]), widen(src[first + 1, head, d])
+            k2, k3 = widen(src[first + 2, head, d]), widen(src[first + 3, head, d])
+            s0 += x * k0
+            s1 += x * k1
+            s2 += x * k2
+            s3 += x * k3
+            r0 += y * k0
+            r1 += y * k1
+            r2 += y * k2
+            r3 += y * k3
+        probs[g, t] = s0 * factor
+        probs[g, t + 1] = s1 * factor
+        probs[g, t + 2] = s2 * factor
+        probs[g, t + 3] = s3 * factor
+        probs[g + 1, t] = r0 * factor
+        probs[g + 1, t + 1] = r1 * factor
+        probs[g + 1, t + 2] = r2 * factor
+        probs[g + 1, t + 3] = r3 * factor
+    for g in range(paired, group):
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for d in range(dim):
+            x = qs[g, d]
+            s0 += x * widen(src[first, head, d])
+            s1 += x * widen(src[first + 1, head, d])
+            s2 += x * widen(src[first + 2, head, d])
+            s3 += x * widen(src[first + 3, head, d])
+        probs[g, t] = s0 * factor
+        probs[g, t + 1] = s1 * factor
+        probs[g, t + 2] = s2 * factor
+        probs[g, t + 3] = s3 * factor
+
+
+@numba.njit(inline="always", **_JIT)
+def _weights(probs, g, t, factor):
+    """Query head g's probabilities of positions t to t + 3, times ``factor``."""
+    return probs[g, t] * factor, probs[g, t + 1] * factor, probs[g, t + 2] * factor, probs[g, t + 3] * factor
+
+
+@numba.njit(inline="always", **_JIT)
+def _accumulate(acc, probs, t, inv, factor, src, first, head):
+    """``acc`` [group, dim] += the four positions' values (``src[first:first + 4, head]``, as in
+    ``_scores``) weighted by each query head's probabilities ``probs[:, t:t + 4]`` times ``inv`` (its
+    softmax's 1 / sum) and ``factor``; two query heads at a time share each widened value."""
+    group, dim = acc.shape
+    paired = group - group % 2
+    for g in range(0, paired, 2):
+        w0, w1, w2, w3 = _weights(probs, g, t, factor * inv[g])
+        u0, u1, u2, u3 = _weights(probs, g + 1, t, factor * inv[g + 1])
+        for d in range(dim):
+            v0, v1 = widen(src[first, head, d]), widen(src[first + 1, head, d])
+            v2, v3 = widen(src[first + 2, head, d]), widen(src[first + 3, head, d])
+            acc[g, d] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
+            acc[g + 1, d] += (u0 * v0 + u1 * v1) + (u2 * v2 + u3 * v3)
+    for g in range(paired, group):
+        w0, w1, w2, w3 = _weights(probs, g, t, factor * inv[g])
+        for d in range(dim):
+            acc[g, d] += (w0 * widen(src[first, head, d]) + w1 * widen(src[first + 1, head, d])) + (
+                w2 * widen(src[first + 2, head, d]) + w3 * widen(src[first + 3, head, d])
+            )
 
 
 @numba.njit(**_JIT)
@@ -111,9 +196,10 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
     probs = np.empty((group, tables.shape[1] * page_size), np.float32)  # per query head: positions from lo
     acc = np.empty((group, dim), np.float32)
     qs = np.empty((group, dim), np.float32)
-    vals = np.empty((4, dim), np.float32)  # four positions of one KV head, widened once for its whole group
+    vals = np.empty((4, 1, dim), np.float32)  # four positions of one KV head, widened once for its group
     inv = np.empty(group, np.float32)
-    tiled = k.itemsize == 1 and group > 1  # FP8: widening costs more than the tile's stores and loads
+    # FP8 in groups over four: widening (once per pair otherwise) costs more than the tile's stores and loads
+    tiled = k.itemsize == 1 and group > 4
     out_offset = _FP8_OUT_OFFSET if half_offset > 1 else np.float32(1.0)
     v_offset = half_offset * (half_offset / out_offset)  # 2^100 for FP8, else 1 (powers of 2: exact)
     for b in range(rows):
@@ -135,39 +221,19 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 _prefetch_page(v, base, h, page_size, line)
                 o = start
                 while o + 4 <= end:
+                    t = t0 + o - lo
                     if tiled:
                         _widen_rows(k, base + o, 4, h, vals)
-                    t = t0 + o - lo
-                    for g in range(group):  # four independent sums: their reductions overlap, not queue
-                        s0 = np.float32(0.0)
-                        s1 = np.float32(0.0)
-                        s2 = np.float32(0.0)
-                        s3 = np.float32(0.0)
-                        if tiled:
-                            for d in range(dim):
-                                x = qs[g, d]
-                                s0 += x * vals[0, d]
-                                s1 += x * vals[1, d]
-                                s2 += x * vals[2, d]
-                                s3 += x * vals[3, d]
-                        else:
-                            for d in range(dim):
-                                x = qs[g, d]
-                                s0 += x * widen(k[base + o, h, d])
-                                s1 += x * widen(k[base + o + 1, h, d])
-                                s2 += x * widen(k[base + o + 2, h, d])
-                                s3 += x * widen(k[base + o + 3, h, d])
-                        probs[g, t] = s0 * factor
-                        probs[g, t + 1] = s1 * factor
-                        probs[g, t + 2] = s2 * factor
-                        probs[g, t + 3] = s3 * factor
+                        _scores(qs, vals, 0, 0, factor, probs, t)
+                    else:
+                        _scores(qs, k, base + o, h, factor, probs, t)
                     o += 4
                 for r in range(o, end):  # the page's last positions, one at a time
                     _widen_rows(k, base + r, 1, h, vals)
                     for g in range(group):
                         s = np.float32(0.0)
                         for d in range(dim):
-                            s += qs[g, d] * vals[0, d]
+                            s += qs[g, d] * vals[0, 0, d]
                         probs[g, t0 + r - lo] = s * factor
             for g in range(group):
                 top = probs[g, 0]
@@ -187,32 +253,19 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 base = page * page_size
                 o = start
                 while o + 4 <= end:
+                    t = t0 + o - lo
                     if tiled:
                         _widen_rows(v, base + o, 4, h, vals)
-                    t = t0 + o - lo
-                    for g in range(group):
-                        factor = v_scale[page] * inv[g] * v_offset
-                        w0 = probs[g, t] * factor
-                        w1 = probs[g, t + 1] * factor
-                        w2 = probs[g, t + 2] * factor
-                        w3 = probs[g, t + 3] * factor
-                        if tiled:
-                            for d in range(dim):
-                                acc[g, d] += (w0 * vals[0, d] + w1 * vals[1, d]) + (
-                                    w2 * vals[2, d] + w3 * vals[3, d]
-                                )
-                        else:
-                            for d in range(dim):
-                                acc[g, d] += (
-                                    w0 * widen(v[base + o, h, d]) + w1 * widen(v[base + o + 1, h, d])
-                                ) + (w2 * widen(v[base + o + 2, h, d]) + w3 * widen(v[base + o + 3, h, d]))
+                        _accumulate(acc, probs, t, inv, v_scale[page] * v_offset, vals, 0, 0)
+                    else:
+                        _accumulate(acc, probs, t, inv, v_scale[page] * v_offset, v, base + o, h)
                     o += 4
                 for r in range(o, end):
                     _widen_rows(v, base + r, 1, h, vals)
                     for g in range(group):
                         w = probs[g, t0 + r - lo] * (v_scale[page] * inv[g] * v_offset)
                         for d in range(dim):
-                            acc[g, d] += w * vals[0, d]
+                            acc[g, d] += w * vals[0, 0, d]
             for g in range(group):
                 for d in range(dim):
                     out[b, h * group + g, d] = acc[g, d] * out_offset
