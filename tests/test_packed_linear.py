@@ -59,3 +59,30 @@ def test_a_bf16_engine_packs_its_linears_and_greedy_tokens_stay_those_of_the_unp
     assert [o.token_ids for o in packed.generate(prompts, params)] == want
     fp32 = Engine.from_pretrained(tiny_llama_dir, EngineConfig(dtype="float32", kv_budget_bytes=2**22))
     assert fp32.stats()["packed_linears"] == 0  # fp32: F.linear is as fast, and faster at one row
+
+
+def test_a_tied_output_projection_gets_a_packed_copy_with_bit_identical_logits(tmp_path):
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    HFLlama(config).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    embedding = model.model.embed_tokens.weight
+    hidden = torch.randn(5, 64).to(torch.bfloat16)
+    want = model.compute_logits(hidden)
+    assert model.lm_head is None and model.pack_tied_output()
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.out_features == 160
+    assert torch.equal(model.compute_logits(hidden), want)
+    # The input lookup still reads the checkpoint's embedding, in its own layout.
+    assert model.model.embed_tokens.weight is embedding and embedding.dtype == torch.bfloat16
+    assert not model.pack_tied_output()  # it has its own projection now
+    # The engine packs it at load: one fused q/k/v, o, gate/up and down, and the output projection.
+    engine = Engine.from_pretrained(tmp_path, EngineConfig(dtype="bfloat16", kv_budget_bytes=2**22))
+    assert engine.stats()["packed_linears"] == 5 and isinstance(engine.model.lm_head, PackedLinear)
+    fp32 = load_model(tmp_path, dtype=torch.float32)
+    assert not fp32.pack_tied_output() and fp32.lm_head is None  # no packed fp32 GEMM: stays tied

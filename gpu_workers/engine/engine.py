@@ -110,6 +110,7 @@ class Engine:
         model.fuse_projections()
         if config.device == "cpu":
             pack_linears(model)
+            model.pack_tied_output()
         return cls(model, load_tokenizer(path), config)
 
     # -- requests -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.kernels.packed_linear import packed_copy
 from gpu_workers.kv import KVSpec
 from gpu_workers.model.layers import MLP, RMSNorm, concat_linears
 from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
@@ -177,9 +178,20 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Attention | MLP):
                 module.fuse()
 
+    def pack_tied_output(self) -> bool:
+        """On the CPU, give a tied output projection its own packed copy of the embedding
+        (``kernels.packed_linear.packed_copy``: vocab x hidden bytes more, the logits bit-identical, the
+        projection ~2x faster at decode's batch sizes); whether it did. For a serving model, after loading:
+        ``lm_head`` then holds the copy, which no checkpoint stores."""
+        if self.lm_head is not None:
+            return False
+        self.lm_head = packed_copy(self.model.embed_tokens.weight)
+        return self.lm_head is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] of the hidden states [N, hidden] the caller picked (e.g. last tokens)."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
-        # A module call, not its weight: serving may have packed it (kernels.packed_linear).
+        # A module call, not its weight: serving may have packed it, or a tied embedding's copy
+        # (kernels.packed_linear).
         return self.lm_head(hidden).float()
