@@ -8,20 +8,18 @@ and, for a key with an override, the merged limits over that key alone.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from cachetools import TTLCache
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.prices import DEFAULT_MODEL, amount, list_prices
 from billing.schema import Rollup
 from tessera import tenancy
+from tessera.loading_cache import LoadingCache
 from tessera.models import ApiKey, QuotaLimits, Tenant
 from tessera.quotas import LIMITS, Limits, Scope
 
@@ -136,40 +134,17 @@ class QuotaLookup:
         self, sessions: sessionmaker[Session], ttl_s: float = CACHE_TTL_S, max_entries: int = 10_000
     ):
         self.sessions = sessions
-        self.ttl_s = ttl_s
-        self.max_entries = max_entries
-        self._cache: dict[tuple[str, str], tuple[float, list[Scope]]] = {}
-        self._loading: dict[tuple[str, str], threading.Lock] = {}  # one read of a (tenant, key) at a time
-        self._lock = threading.Lock()
+        self._cache: LoadingCache[tuple[str, str], list[Scope]] = LoadingCache(ttl_s, max_entries)
 
     def scopes(self, tenant_id: str, key_id: str) -> list[Scope]:
-        hit = self.cached(tenant_id, key_id)
-        if hit is not None:
-            return hit
-        key = (tenant_id, key_id)
-        with self._lock:
-            if len(self._loading) >= self.max_entries:
-                self._loading.clear()  # a holder keeps its lock; at worst one more read
-            loading = self._loading.setdefault(key, threading.Lock())
-        with loading:
-            now = time.monotonic()
-            hit = self.cached(tenant_id, key_id, now)  # read by the request this one waited for
-            if hit is not None:
-                return hit
-            scopes = self._load(tenant_id, key_id)
-            with self._lock:
-                if len(self._cache) >= self.max_entries:
-                    self._cache.clear()
-                self._cache[key] = (now + self.ttl_s, scopes)
-        return scopes
+        return self._cache.get((tenant_id, key_id), lambda: self._load(tenant_id, key_id))
 
-    def cached(self, tenant_id: str, key_id: str, now: float | None = None) -> list[Scope] | None:
+    def cached(self, tenant_id: str, key_id: str) -> list[Scope] | None:
         """The scopes if they are cached and fresh, else None: no database query (the event loop may ask)."""
-        with self._lock:
-            hit = self._cache.get((tenant_id, key_id))
-        if hit is not None and hit[0] > (time.monotonic() if now is None else now):
-            return hit[1]
-        return None
+        try:
+            return self._cache.cached((tenant_id, key_id))
+        except KeyError:
+            return None
 
     def _load(self, tenant_id: str, key_id: str) -> list[Scope]:
         names = (tenant_scope(tenant_id), key_scope(key_id))
@@ -288,8 +263,7 @@ class PriceCache:
 
     def __init__(self, sessions: sessionmaker[Session], ttl_s: float = PRICE_TTL_S, max_models: int = 1024):
         self.sessions = sessions
-        self._cache: TTLCache[str, tuple[PriceVersion, ...]] = TTLCache(max_models, ttl_s)
-        self._lock = threading.Lock()
+        self._cache: LoadingCache[str, tuple[PriceVersion, ...]] = LoadingCache(ttl_s, max_models)
 
     def at(self, model: str, when: datetime) -> PriceVersion | None:
         """The version in effect at ``when`` for ``model``, else for the default row (as ``billing.PriceBook``)."""
@@ -298,7 +272,7 @@ class PriceCache:
     def cached_at(self, model: str, when: datetime) -> tuple[PriceVersion | None] | None:
         """``(at(model, when),)`` when the versions it reads are cached, else None: no database query."""
         try:
-            return (self._in_effect(model, when, self._cached),)
+            return (self._in_effect(model, when, self._cache.cached),)
         except KeyError:
             return None
 
@@ -312,16 +286,10 @@ class PriceCache:
                     return price
         return None
 
-    def _cached(self, model: str) -> tuple[PriceVersion, ...]:
-        """The cached versions of ``model``; KeyError when they are not (or no longer) cached."""
-        with self._lock:
-            return self._cache[model]
-
     def _versions(self, model: str) -> tuple[PriceVersion, ...]:
-        with self._lock:
-            hit = self._cache.get(model)
-        if hit is not None:
-            return hit
+        return self._cache.get(model, lambda: self._load(model))
+
+    def _load(self, model: str) -> tuple[PriceVersion, ...]:
         with self.sessions() as session:
             rows = list_prices(session, model)
             versions = tuple(
@@ -336,7 +304,4 @@ class PriceCache:
                 for p in rows
             )
         # Newest first, as billing.PriceBook orders them: the first one in effect wins.
-        versions = tuple(sorted(versions, key=lambda p: (p.effective_from, p.version), reverse=True))
-        with self._lock:
-            self._cache[model] = versions
-        return versions
+        return tuple(sorted(versions, key=lambda p: (p.effective_from, p.version), reverse=True))

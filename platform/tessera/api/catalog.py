@@ -7,7 +7,6 @@ is loaded once per (deployment, checkpoint).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.protocol import DeploymentSpec
 from gpu_workers.tokenizer import Tokenizer, load_tokenizer
 from tessera.errors import APIError
+from tessera.loading_cache import LoadingCache
 from tessera.models import Deployment
 from tessera.tenancy import DEPLOYMENT_NAME_RE
 
@@ -38,24 +38,19 @@ class Model:
 class Catalog:
     """Thread-safe lookups of enabled deployments by model id (the gateway calls it from a thread pool)."""
 
-    def __init__(self, sessions: sessionmaker[Session], ttl_s: float = ROW_TTL_S):
+    def __init__(self, sessions: sessionmaker[Session], ttl_s: float = ROW_TTL_S, max_models: int = 10_000):
         self._sessions = sessions
-        self._ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._models: dict[str, tuple[float, Model | None]] = {}
+        # Each name's enabled deployment, or None for one that is not (a 404 without a database read);
+        # names that can never be a deployment are refused before they reach it.
+        self._models: LoadingCache[str, Model | None] = LoadingCache(ttl_s, max_models)
         self._checkpoints: dict[tuple[str, str], tuple[ModelConfig, Tokenizer | None]] = {}
 
     def get(self, name: str) -> Model:
         """The enabled deployment ``name``, or a 404 that says how to find the valid ids."""
         model = self.cached(name)
-        if model is not None:
-            return model
-        with self._sessions() as session:
-            row = session.get(Deployment, name)
-            model = self._model(row) if row is not None and row.enabled else None
-        with self._lock:
-            if model is not None or len(self._models) < 10_000:  # unknown names can't grow it unbounded
-                self._models[name] = (time.monotonic() + self._ttl_s, model)
+        if model is None:
+            model = self._models.get(name, lambda: self._load(name))
         if model is None:
             raise _not_found(name)
         return model
@@ -67,13 +62,18 @@ class Catalog:
             # Never a deployment: no database round trip, no negative-cache entry, and no text (a NUL,
             # say) that one database or another refuses to compare.
             raise _not_found(name)
-        with self._lock:
-            cached = self._models.get(name)
-        if cached is None or cached[0] <= time.monotonic():
+        try:
+            model = self._models.cached(name)
+        except KeyError:
             return None
-        if cached[1] is None:
+        if model is None:
             raise _not_found(name)
-        return cached[1]
+        return model
+
+    def _load(self, name: str) -> Model | None:
+        with self._sessions() as session:
+            row = session.get(Deployment, name)
+            return self._model(row) if row is not None and row.enabled else None
 
     def enabled(self) -> list[tuple[str, int]]:
         """(model id, created unix time) of every enabled deployment, by name."""
