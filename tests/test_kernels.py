@@ -133,6 +133,25 @@ def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, pag
     assert_matches(kernel(qb, *args), paged_decode_attention_reference(qb, *args), 2**-7)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "fp32"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (16, 2)])
+def test_cpu_decode_attention_serves_odd_and_large_query_groups(heads, kv_heads, kv):
+    # The CPU kernel serves a GQA group's query heads two at a time: a group of 3 leaves one head to serve
+    # alone; FP8 groups over four read a widened tile instead.
+    q, k, v, tables, lens, num_pages = decode_case(heads, kv_heads, 32, 8, [1, 6, 77])
+    scales = (None, None)
+    if kv == "bf16":
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    elif kv == "fp8_e4m3":
+        scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
+        k, v = (
+            quantize_fp8(x, s.repeat_interleave(8)[:, None, None])
+            for x, s in zip((k, v), scales, strict=True)
+        )
+    args = (k, v, tables, lens, 8, 32**-0.5, None, *scales)
+    assert_matches(paged_decode_attention_cpu(q, *args), paged_decode_attention_reference(q, *args), 1e-5)
+
+
 def test_cpu_decode_attention_reads_every_e4m3_value_exactly():
     """One key per row: its V comes back as the reference dequantises it, for every finite e4m3 pattern."""
     patterns = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
