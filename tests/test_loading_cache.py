@@ -57,20 +57,28 @@ def test_callers_of_a_missing_key_wait_for_one_load_and_a_failed_load_is_not_kep
         cache.cached("b")
 
     def failing():
+        loads.append(1)
+        time.sleep(0.2)
         raise ConnectionError("database down")
 
-    with pytest.raises(ConnectionError):
-        cache.get("b", failing)
+    # The callers waiting for a load that fails get its exception; they do not each try again in turn.
+    loads.clear()
+    outcomes = concurrently(lambda: cache.get("b", failing))
+    assert len(loads) == 1 and all(isinstance(o, ConnectionError) for o in outcomes)
     with pytest.raises(KeyError):
         cache.cached("b")  # nothing stored: the next caller loads again
     assert cache.get("b", lambda: 7) == 7
 
 
 def test_an_entry_expires_and_the_least_recently_used_makes_room():
-    cache: LoadingCache[str, str] = LoadingCache(ttl_s=0.2, max_entries=2)
+    now = [0.0]
+    cache: LoadingCache[str, str] = LoadingCache(ttl_s=10, max_entries=2, timer=lambda: now[0])
     assert cache.get("a", lambda: "first") == "first"
+    now[0] = 9.9
     assert cache.get("a", lambda: "second") == "first"  # fresh: no load
-    time.sleep(0.3)
+    now[0] = 10.0
+    with pytest.raises(KeyError):
+        cache.cached("a")
     assert cache.get("a", lambda: "second") == "second"  # expired: loaded again
     cache.get("b", lambda: "b")
     cache.get("a", lambda: "unused")  # a is used more recently than b
@@ -104,11 +112,11 @@ def test_an_expired_deployment_is_read_once_by_concurrent_requests(slow_database
         tenancy.create_deployment(
             session, {"name": "@acme/demo", "checkpoint": str(demo_model_dir)}, actor="t"
         )
-    catalog = Catalog(sessions, ttl_s=0.5)  # outlives a read (0.2 s here)
+    catalog = Catalog(sessions, ttl_s=1.0, max_absent=2)  # outlives a read (0.2 s here)
     reads.clear()
     first = catalog.get("@acme/demo")
     assert reads == {"deployments": 1}
-    time.sleep(0.6)  # expired
+    time.sleep(1.1)  # expired
     assert catalog.cached("@acme/demo") is None
     assert concurrently(lambda: catalog.get("@acme/demo")) == [first] * CONCURRENT
     assert reads == {"deployments": 2}
@@ -118,6 +126,14 @@ def test_an_expired_deployment_is_read_once_by_concurrent_requests(slow_database
     assert all(isinstance(e, APIError) and e.status == 404 for e in missing)
     with pytest.raises(APIError):
         catalog.cached("@acme/absent")
+    # Names found absent are remembered apart: more of them than that cache holds leave the deployment in.
+    catalog = Catalog(sessions, ttl_s=60, max_models=2, max_absent=2)
+    first = catalog.get("@acme/demo")
+    for n in range(4):
+        with pytest.raises(APIError):
+            catalog.get(f"@acme/made-up-{n}")
+    reads.clear()
+    assert catalog.cached("@acme/demo") == first and catalog.get("@acme/demo") == first and reads == {}
 
 
 def test_an_expired_price_book_entry_is_read_once_by_concurrent_requests(slow_database):
@@ -130,11 +146,11 @@ def test_an_expired_price_book_entry_is_read_once_by_concurrent_requests(slow_da
             PriceSpec(1_000_000, 250_000, 2_000_000),
             effective_from=datetime(2026, 1, 1, tzinfo=timezone.utc),
         )
-    prices = PriceCache(sessions, ttl_s=0.5)
+    prices = PriceCache(sessions, ttl_s=1.0)
     reads.clear()
     first = prices.at("@acme/demo", when)
     assert first is not None and first.output == 2_000_000 and reads == {"prices": 1}
-    time.sleep(0.6)
+    time.sleep(1.1)
     assert prices.cached_at("@acme/demo", when) is None
     assert concurrently(lambda: prices.at("@acme/demo", when)) == [first] * CONCURRENT
     assert reads == {"prices": 2}

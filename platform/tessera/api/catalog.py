@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachetools import TTLCache
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -38,12 +39,19 @@ class Model:
 class Catalog:
     """Thread-safe lookups of enabled deployments by model id (the gateway calls it from a thread pool)."""
 
-    def __init__(self, sessions: sessionmaker[Session], ttl_s: float = ROW_TTL_S, max_models: int = 10_000):
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        ttl_s: float = ROW_TTL_S,
+        max_models: int = 10_000,
+        max_absent: int = 1_000,
+    ):
         self._sessions = sessions
         self._lock = threading.Lock()
-        # Each name's enabled deployment, or None for one that is not (a 404 without a database read);
-        # names that can never be a deployment are refused before they reach it.
-        self._models: LoadingCache[str, Model | None] = LoadingCache(ttl_s, max_models)
+        self._models: LoadingCache[str, Model] = LoadingCache(ttl_s, max_models)
+        # Names read and found not enabled (answered 404 without a database read while fresh), apart from
+        # the deployments, so that made-up names cannot push real ones out of the cache.
+        self._absent: TTLCache[str, bool] = TTLCache(max_absent, ttl_s)
         self._checkpoints: dict[tuple[str, str], tuple[ModelConfig, Tokenizer | None]] = {}
 
     def get(self, name: str) -> Model:
@@ -51,8 +59,6 @@ class Catalog:
         model = self.cached(name)
         if model is None:
             model = self._models.get(name, lambda: self._load(name))
-        if model is None:
-            raise _not_found(name)
         return model
 
     def cached(self, name: str) -> Model | None:
@@ -63,17 +69,23 @@ class Catalog:
             # say) that one database or another refuses to compare.
             raise _not_found(name)
         try:
-            model = self._models.cached(name)
+            return self._models.cached(name)
         except KeyError:
-            return None
-        if model is None:
+            pass
+        with self._lock:
+            absent = self._absent.get(name, False)
+        if absent:
             raise _not_found(name)
-        return model
+        return None
 
-    def _load(self, name: str) -> Model | None:
+    def _load(self, name: str) -> Model:
         with self._sessions() as session:
             row = session.get(Deployment, name)
-            return self._model(row) if row is not None and row.enabled else None
+            if row is not None and row.enabled:
+                return self._model(row)
+        with self._lock:
+            self._absent[name] = True
+        raise _not_found(name)  # every request waiting for this read gets it
 
     def enabled(self) -> list[tuple[str, int]]:
         """(model id, created unix time) of every enabled deployment, by name."""
