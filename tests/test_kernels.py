@@ -134,10 +134,10 @@ def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, pag
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "fp32"])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (16, 2)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (16, 2), (10, 2)])
 def test_cpu_decode_attention_serves_odd_and_large_query_groups(heads, kv_heads, kv):
     # The CPU kernel serves a GQA group's query heads two at a time: a group of 3 leaves one head to serve
-    # alone; FP8 groups over four read a widened tile instead.
+    # alone; FP8 groups over four read a widened tile instead, and a group of 5 does both.
     q, k, v, tables, lens, num_pages = decode_case(heads, kv_heads, 32, 8, [1, 6, 77])
     scales = (None, None)
     if kv == "bf16":

@@ -110,7 +110,12 @@ class Engine:
         model.fuse_projections()
         if config.device == "cpu":
             pack_linears(model)
-            model.pack_tied_output()
+            if model.pack_tied_output():
+                weight = model.model.embed_tokens.weight
+                log.info(
+                    "the tied output projection runs on a packed copy of the embedding (%.1f MiB more)",
+                    weight.numel() * weight.element_size() / 2**20,
+                )
         return cls(model, load_tokenizer(path), config)
 
     # -- requests -------------------------------------------------------------------------------
