@@ -4,6 +4,7 @@ cache, the quota scopes (tests/test_budgets.py)."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from datetime import datetime, timezone
@@ -155,3 +156,29 @@ def test_an_expired_price_book_entry_is_read_once_by_concurrent_requests(slow_da
     assert concurrently(lambda: prices.at("@acme/demo", when)) == [first] * CONCURRENT
     assert reads == {"prices": 2}
     assert prices.cached_at("@acme/demo", when) == (first,)
+
+
+def test_a_deployment_whose_checkpoint_cannot_be_read_is_a_503_until_it_can(
+    slow_database, demo_model_dir, tmp_path
+):
+    sessions, reads = slow_database
+    checkpoint = tmp_path / "not-yet"
+    with sessions() as session:
+        tenancy.create_deployment(
+            session,
+            {"name": "@acme/later", "checkpoint": str(checkpoint)},
+            actor="t",
+            check_checkpoint_files=False,
+        )
+    catalog = Catalog(sessions, ttl_s=60)
+    reads.clear()
+    outcomes = concurrently(lambda: catalog.get("@acme/later"))
+    assert reads == {"deployments": 1}  # the waiting requests share the one attempt
+    assert all(
+        isinstance(e, APIError) and e.status == 503 and e.code == "model_unavailable" for e in outcomes
+    )
+    assert "can't be read on the gateway" in str(outcomes[0])
+    assert catalog.cached("@acme/later") is None  # not remembered: neither a model nor an absent name
+    shutil.copytree(demo_model_dir, checkpoint)
+    model = catalog.get("@acme/later")
+    assert model.spec.name == "@acme/later" and model.tokenizer is not None and reads == {"deployments": 2}
