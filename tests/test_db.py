@@ -21,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from tessera import db, tenancy
 from tessera.models import Base, DeploymentAudit, RequestRecord, Tenant
 from tessera.settings import Settings, get_settings
+from test_gateway import redis_url as redis_url  # a fixture: the local Redis, or an embedded one
 
 from gpu_workers.protocol import DeploymentSpec
 
@@ -660,3 +661,43 @@ def test_unknown_request_status_is_refused(session):
     tenant = tenancy.create_tenant(session, "acme")
     with pytest.raises(tenancy.InvalidConfig, match="invalid request status 'done'"):
         tenancy.record_request(session, "r", tenant_id=tenant.id, deployment="m", status="done")
+
+
+def test_a_database_that_stops_answering_is_a_503_to_retry_not_a_500(
+    postgres_admin, postgres_url, redis_url, tmp_path
+):
+    """PostgreSQL refuses the gateway's connections (the running ones killed, new ones not allowed): requests
+    that need the database get a 503 with Retry-After in their API's error shape, naming neither the server
+    nor the database; once it answers again, so does the gateway."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy.engine import make_url
+    from tessera.app import create_app
+
+    db.upgrade(postgres_url)
+    engine = db.make_engine(postgres_url)
+    with db.session_factory(engine)() as session:
+        account = tenancy.create_tenant(session, "acme").id
+        _, key = tenancy.create_key(session, "acme")
+    engine.dispose()
+    name = make_url(postgres_url).database
+    settings = Settings(
+        data_dir=tmp_path, database_url=postgres_url, redis_url=redis_url, secret_key="s" * 48
+    )
+    auth = {"Authorization": f"Bearer {key}"}
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        assert client.get("/v1/models", headers=auth).status_code == 200
+        postgres_admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        try:
+            postgres_admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,)
+            )
+            refused = client.get("/v1/models", headers=auth)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+            assert refused.json()["error"]["code"] == "database_unavailable"
+            assert name not in refused.text and "5432" not in refused.text
+            run = client.post(f"/accounts/{account}/ai/run/@acme/none", headers=auth, json={"prompt": "hi"})
+            assert run.status_code == 503 and run.json()["success"] is False, run.text
+            assert "database" in run.json()["errors"][0]["message"]
+        finally:
+            postgres_admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        assert client.get("/v1/models", headers=auth).status_code == 200

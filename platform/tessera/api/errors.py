@@ -16,6 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -241,11 +243,32 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(validation_error(exc.errors()))
 
 
+# The database errors that mean it cannot answer now (down, unreachable, refusing connections, its pool or a
+# lock timed out), as opposed to a query the code got wrong: a 503 the client may retry, not a 500.
+DATABASE_UNAVAILABLE = (OperationalError, InterfaceError, DisconnectionError, PoolTimeout)
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    # The driver's message may name the server; the log keeps the kind and the request, the client neither.
+    log.warning("request %s: the database cannot answer (%s)", request_id(request), type(exc).__name__)
+    error = APIError(
+        503,
+        "the service's database cannot be reached right now; retry in a few seconds",
+        "database_unavailable",
+        headers={"Retry-After": "5"},
+    )
+    if WORKERS_AI_RUN.match(request.url.path):
+        return JSONResponse(workers_ai_error(error), status_code=503, headers=error.headers)
+    return error_response(error)
+
+
 def install(app: FastAPI, max_body_bytes: int, batch_max_body_bytes: int | None = None) -> None:
     """Register the error handlers and the request-id and body-limit middleware on ``app``."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    for kind in DATABASE_UNAVAILABLE:
+        app.add_exception_handler(kind, _database_unavailable)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, batch_max_bytes=batch_max_body_bytes)
     # Added last so it is outermost: even the body limit's 413 carries the request id.
     app.add_middleware(RequestIdMiddleware)
