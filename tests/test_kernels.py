@@ -96,6 +96,21 @@ def decode_case(heads, kv_heads, head_dim, page_size, lens, seed=0):
     return q, k, v, tables, torch.tensor(lens, dtype=torch.int32), num_pages
 
 
+def stored_as(kv: str, k: torch.Tensor, v: torch.Tensor, num_pages: int, page_size: int):
+    """fp32 K and V as a cache of format ``kv`` stores them, and its per-page (k, v) scales (None unless FP8)."""
+    if kv == "bf16":
+        return k.to(torch.bfloat16), v.to(torch.bfloat16), (None, None)
+    if kv != "fp8_e4m3":
+        return k, v, (None, None)
+    # Per-page scales, as KVCache keeps them; quantised with torch (the interpreter's fp8 cast is buggy).
+    scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
+    k, v = (
+        quantize_fp8(x, s.repeat_interleave(page_size)[:, None, None])
+        for x, s in zip((k, v), scales, strict=True)
+    )
+    return k, v, scales
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "page_size", "window"),
     [
@@ -117,16 +132,7 @@ def decode_case(heads, kv_heads, head_dim, page_size, lens, seed=0):
 def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, page_size, window, kernel, kv):
     # Lengths 1 (one key), short, and long enough for several 32-position splits, in one launch.
     q, k, v, tables, lens, num_pages = decode_case(heads, kv_heads, head_dim, page_size, [1, 13, 150])
-    scales = (None, None)
-    if kv == "bf16":
-        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    elif kv == "fp8_e4m3":
-        # Per-page scales, as KVCache keeps them; quantised with torch (the interpreter's fp8 cast is buggy).
-        scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
-        k, v = (
-            quantize_fp8(x, s.repeat_interleave(page_size)[:, None, None])
-            for x, s in zip((k, v), scales, strict=True)
-        )
+    k, v, scales = stored_as(kv, k, v, num_pages, page_size)
     args = (k, v, tables, lens, page_size, head_dim**-0.5, window, *scales)
     assert_matches(kernel(q, *args), paged_decode_attention_reference(q, *args), 1e-5)
     qb = q.to(torch.bfloat16)  # bf16 queries: the output store is the one rounding that differs
@@ -139,15 +145,7 @@ def test_cpu_decode_attention_serves_odd_and_large_query_groups(heads, kv_heads,
     # The CPU kernel serves a GQA group's query heads two at a time: a group of 3 leaves one head to serve
     # alone; FP8 groups over four read a widened tile instead, and a group of 5 does both.
     q, k, v, tables, lens, num_pages = decode_case(heads, kv_heads, 32, 8, [1, 6, 77])
-    scales = (None, None)
-    if kv == "bf16":
-        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
-    elif kv == "fp8_e4m3":
-        scales = (torch.rand(num_pages) + 0.01, torch.rand(num_pages) + 0.01)
-        k, v = (
-            quantize_fp8(x, s.repeat_interleave(8)[:, None, None])
-            for x, s in zip((k, v), scales, strict=True)
-        )
+    k, v, scales = stored_as(kv, k, v, num_pages, 8)
     args = (k, v, tables, lens, 8, 32**-0.5, None, *scales)
     assert_matches(paged_decode_attention_cpu(q, *args), paged_decode_attention_reference(q, *args), 1e-5)
 

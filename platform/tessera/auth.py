@@ -74,6 +74,12 @@ def parse_prefix(raw: str) -> str | None:
     return match.group(1) if match else None
 
 
+def key_shaped(raw: str | None) -> bool:
+    """Whether ``raw`` could be a key at all: a missing or malformed one is refused before any Redis or
+    database read."""
+    return bool(raw) and parse_prefix(raw) is not None
+
+
 class KeyVersion:
     """A version in Redis that every API process reads on each request: a change to any key or tenant (revoke,
     disable) sets a new one after its commit, and a process whose cached keys were verified under another
@@ -210,7 +216,7 @@ def verify_key(
     alone. The key comes back detached from ``session``, with its tenant loaded, and may be shared with later
     calls through the cache: read it, never modify it (use ``tessera.tenancy`` to change keys).
     """
-    if not raw or parse_prefix(raw) is None:  # never a key: no Redis read, no database read
+    if not key_shaped(raw):
         return None
     # Read before the database: a change committed after this read bumps the version past it, so what
     # this call caches is dropped by the next one.
@@ -229,7 +235,7 @@ def cached_key(
     None once it expired) when it was verified under ``current``, the version read before this call; else
     ``MISS``, and ``verify_in_database`` with the same ``current`` answers. ``current`` None: Redis could
     not say, so the cache is not trusted."""
-    if not raw or parse_prefix(raw) is None:
+    if not key_shaped(raw):
         return None
     if current is None:
         return MISS

@@ -56,10 +56,7 @@ class Catalog:
 
     def get(self, name: str) -> Model:
         """The enabled deployment ``name``, or a 404 that says how to find the valid ids."""
-        model = self.cached(name)
-        if model is None:
-            model = self._models.get(name, lambda: self._load(name))
-        return model
+        return self.cached(name) or self._models.get(name, lambda: self._load(name))
 
     def cached(self, name: str) -> Model | None:
         """``get(name)`` if it needs no database read (a fresh entry: the model, or a 404 for one known not to

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, joinedload
 from starlette.concurrency import run_in_threadpool
 
-from tessera.auth import MISS, cached_key, parse_prefix, verify_in_database
+from tessera.auth import MISS, cached_key, key_shaped, verify_in_database
 from tessera.errors import APIError
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey, utcnow
 
@@ -93,7 +93,7 @@ async def _verified_key(request: Request) -> ApiKey:
     if header is None and SESSION_COOKIE in request.cookies:
         return await run_in_threadpool(_cookie_key, request)
     raw = bearer_token(header)
-    if not raw or parse_prefix(raw) is None:  # never a key: no Redis read, no database read
+    if not key_shaped(raw):  # no Redis read, no database read
         raise APIError(401, UNAUTHORIZED, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     version = request.app.state.key_version
     # Read before the database (see verify_key), and only once: the cache and the database answer for it.

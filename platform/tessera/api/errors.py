@@ -174,6 +174,12 @@ class BodyTooLarge(StarletteHTTPException):
 WORKERS_AI_RUN = re.compile(r"^(?:/client/v4)?/accounts/[^/]+/ai/run/")
 
 
+def shaped_response(error: APIError, workers_ai: bool) -> JSONResponse:
+    """``error`` in Workers AI's envelope (its run route) or in OpenAI's shape (everything else)."""
+    body = workers_ai_error(error) if workers_ai else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
 class BodyLimitMiddleware:
     """Refuse bodies over the limit with 413: by Content-Length before reading, else while reading. The
     limit is ``max_bytes``, or ``batch_max_bytes`` for a Workers-AI async batch (``?queueRequest=true``)."""
@@ -202,9 +208,7 @@ class BodyLimitMiddleware:
             status = 413 if length.isdigit() else 400
             code = "request_too_large" if status == 413 else "invalid_request"
             message = detail if status == 413 else "the Content-Length header is not a number"
-            error = APIError(status, message, code)
-            body = workers_ai_error(error) if workers_ai else error.body()
-            await JSONResponse(body, status_code=status)(scope, receive, send)
+            await shaped_response(APIError(status, message, code), workers_ai)(scope, receive, send)
             return
         received = 0
 
@@ -257,9 +261,7 @@ async def _database_unavailable(request: Request, exc: Exception) -> JSONRespons
         "database_unavailable",
         headers={"Retry-After": "5"},
     )
-    if WORKERS_AI_RUN.match(request.url.path):
-        return JSONResponse(workers_ai_error(error), status_code=503, headers=error.headers)
-    return error_response(error)
+    return shaped_response(error, bool(WORKERS_AI_RUN.match(request.url.path)))
 
 
 def install(app: FastAPI, max_body_bytes: int, batch_max_body_bytes: int | None = None) -> None:
