@@ -160,6 +160,46 @@ def test_app_and_streams_work_over_embedded_redis_socket(tmp_path):
         server.shutdown()
 
 
+def test_an_attempt_begins_only_where_it_may_and_ends_what_it_began(client, namespace):
+    def begin(request_id: str, worker: str, decode: bool = False):
+        entry = (inflight_key(worker), request_id, json.dumps({"task": "t", "payload": "{}"}))
+        stream = RequestStream(client, request_id, worker)
+        return stream, stream.begin(handover=decode, allowed_events=int(decode), inflight=entry)
+
+    fresh = f"{namespace}-begin-fresh"
+    stream, begun = begin(fresh, "w1")
+    assert (begun.status, begun.events, begun.cancelled) == ("claimed", 0, False)
+    assert client.get(lease_key(fresh)) == b"w1" and client.hexists(inflight_key("w1"), fresh)
+    assert begin(fresh, "w2")[1].status == "busy"  # a second attempt while the first holds the lease
+    stream.publish(Event(kind="final", finish_reason="stop"))
+    stream.end(inflight_key("w1"))
+    assert not client.exists(lease_key(fresh)) and not client.hexists(inflight_key("w1"), fresh)
+    assert begin(fresh, "w2")[1].status == "finished" and not client.exists(lease_key(fresh))
+
+    # Decode takes the lease from the prefill worker that wrote the only event, and from no one else.
+    handed = f"{namespace}-begin-handed"
+    prefill, _ = begin(handed, "prefill-w")
+    prefill.publish(Event(kind="token", token_ids=[1]))
+    assert begin(handed, "decode-w")[1].status == "busy"  # not a decode task: no hand-over
+    client.set(lease_key(handed), "third-w")
+    assert begin(handed, "decode-w", decode=True)[1].status == "busy"
+    client.set(lease_key(handed), "prefill-w")
+    client.set(cancel_key(handed), 1)
+    decode, begun = begin(handed, "decode-w", decode=True)
+    assert (begun.status, begun.events, begun.cancelled) == ("claimed", 1, True)
+    assert client.get(lease_key(handed)) == b"decode-w"
+    prefill.end(inflight_key("prefill-w"))  # the prefill's own end leaves the lease it no longer holds
+    assert client.get(lease_key(handed)) == b"decode-w"
+
+    # A stream holding more than the attempt may find: the lease is taken, nothing recorded in flight.
+    decode.publish(Event(kind="token", token_ids=[2]))
+    decode.end(inflight_key("decode-w"))
+    _, begun = begin(handed, "decode-2", decode=True)
+    assert (begun.status, begun.events) == ("cut", 2)
+    assert client.get(lease_key(handed)) == b"decode-2"
+    assert not client.hexists(inflight_key("decode-2"), handed)
+
+
 # -- in-process: one TaskRunner on a real engine and real Redis ------------------------------------------
 
 
@@ -167,6 +207,10 @@ def test_app_and_streams_work_over_embedded_redis_socket(tmp_path):
 def local(client, namespace, demo_model_dir):
     spec = spec_for(namespace, demo_model_dir, "local")
     engine = Engine.from_pretrained(spec.checkpoint, engine_config(spec, "serve", SECRET))
+    # As a worker does before it joins its pool: a first step that compiles the CPU kernels (seconds, when
+    # numba's cache is cold) would otherwise outlast the lease of the first request, which no heartbeat
+    # renews here.
+    engine.warm_up()
     engine.start()
     runner = TaskRunner(
         engine, client, make_celery(REDIS_URL), worker_id=f"{namespace}-local", pool="serve", host="h"

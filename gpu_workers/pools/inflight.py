@@ -26,18 +26,20 @@ class Inflight:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def add(self, request_id: str, task_name: str, payload: str) -> None:
+    def entry(self, request_id: str, task_name: str, payload: str) -> tuple[str, str, str]:
+        """The hash key, field and value that record a request in flight (``RequestStream.begin`` writes
+        them with the lease, ``RequestStream.end`` drops them); the hash expires ``STREAM_TTL_S`` after its
+        last write: past that the streams are gone, and nothing is left to recover."""
+        return self.key, request_id, json.dumps({"task": task_name, "payload": payload})
+
+    def track(self, request_id: str) -> None:
+        """Keep this request's lease alive (``renew``) while this worker serves it."""
         with self._lock:
             self._requests.add(request_id)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(self.key, request_id, json.dumps({"task": task_name, "payload": payload}))
-        pipe.expire(self.key, STREAM_TTL_S)  # past this the streams are gone: nothing left to recover
-        pipe.execute()
 
-    def remove(self, request_id: str) -> None:
+    def untrack(self, request_id: str) -> None:
         with self._lock:
             self._requests.discard(request_id)
-        self.client.hdel(self.key, request_id)
 
     def renew(self) -> None:
         """Keep this worker's leases (and the registry) alive; called every heartbeat."""

@@ -68,6 +68,39 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# An attempt's start in one round trip. KEYS: stream, lease, the worker's in-flight hash, cancel key. ARGV: owner,
+# lease ttl ms, the events an attempt may find there (1 for decode: prefill's token), hand-over (1: the lease
+# may be taken from the worker that wrote the stream's only event, the prefill that handed the request on),
+# in-flight field and value, in-flight ttl s. Returns {status, events, cancelled}: 'finished' (the stream
+# ended: nothing taken), 'busy' (another attempt holds the lease), 'cut' (the lease is ours, but the stream
+# holds more than an attempt may find: a dead worker's partial output), 'claimed' (the lease is ours and the
+# request recorded in flight).
+_BEGIN = """
+local n = redis.call('XLEN', KEYS[1])
+local last = nil
+if n > 0 then
+  last = cjson.decode(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][2][2])
+  if last.kind == 'final' or last.kind == 'error' then return {'finished', n, 0} end
+end
+local previous = false
+if ARGV[4] == '1' and n == 1 and type(last.worker_id) == 'string' and last.worker_id ~= '' then
+  previous = last.worker_id
+end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= previous then return {'busy', n, 0} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+if n > tonumber(ARGV[3]) then return {'cut', n, 0} end
+redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
+redis.call('EXPIRE', KEYS[3], ARGV[7])
+return {'claimed', n, redis.call('EXISTS', KEYS[4])}
+"""
+# An attempt's end: KEYS: lease, in-flight hash. ARGV: owner, in-flight field. Drop the in-flight record; delete
+# the lease only if still ours.
+_END = """
+redis.call('HDEL', KEYS[2], ARGV[2])
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 # KEYS: lease. ARGV: new owner, previous owner, ttl ms. Take a free lease, or the previous owner's.
 _TAKE_OVER = """
 local holder = redis.call('GET', KEYS[1])
@@ -85,6 +118,15 @@ class LeaseLost(RuntimeError):
 
 def lease_key(request_id: str) -> str:
     return f"tessera:lease:{request_id}"
+
+
+@dataclass(frozen=True)
+class Begun:
+    """How an attempt's start went (``RequestStream.begin``)."""
+
+    status: str  # claimed | finished | busy | cut
+    events: int  # entries the stream held
+    cancelled: bool = False  # the request's cancel key was set (known only when claimed)
 
 
 @dataclass
@@ -116,6 +158,8 @@ class RequestStream:
         self._append = client.register_script(_APPEND)
         self._release = client.register_script(_RELEASE)
         self._take_over = client.register_script(_TAKE_OVER)
+        self._begin = client.register_script(_BEGIN)
+        self._end = client.register_script(_END)
 
     def claim(self, previous_owner: str | None = None) -> bool:
         """Take the lease if it is free or held by ``previous_owner`` (a dead worker, or the prefill that
@@ -123,6 +167,22 @@ class RequestStream:
         if previous_owner is None:
             return bool(self.client.set(self._lease, self.owner, nx=True, px=LEASE_TTL_MS))
         return bool(self._take_over(keys=[self._lease], args=[self.owner, previous_owner, LEASE_TTL_MS]))
+
+    def begin(self, *, handover: bool, allowed_events: int, inflight: tuple[str, str, str]) -> Begun:
+        """Start an attempt in one round trip: read what the stream holds, take the lease if it is free (or,
+        with ``handover``, held by the worker that wrote the stream's only event), record the request in
+        the worker's in-flight hash (``inflight``: key, field, value) and read its cancel key, all as one
+        atomic step. A ``cut`` or ``claimed`` attempt holds the lease: ``end`` it."""
+        key, name, value = inflight
+        status, events, cancelled = self._begin(
+            keys=[stream_key(self.request_id), self._lease, key, cancel_key(self.request_id)],
+            args=[self.owner, LEASE_TTL_MS, allowed_events, int(handover), name, value, STREAM_TTL_S],
+        )
+        return Begun(status.decode(), int(events), bool(cancelled))
+
+    def end(self, inflight_key: str) -> None:
+        """End an attempt ``begin`` started: drop its in-flight record and release the lease if still ours."""
+        self._end(keys=[self._lease, inflight_key], args=[self.owner, self.request_id])
 
     def release(self) -> None:
         self._release(keys=[self._lease], args=[self.owner])

@@ -9,12 +9,13 @@ step for all of them, and in the same round trip reads their ``cancel_key`` (the
 client goes away); a set key or a passed deadline aborts the request in the engine, which frees its pages
 at once. A task's thread only waits for its request's final event.
 
-Redelivery and dead workers (acks_late): an attempt first takes the request's lease (``stream``), so two
-live attempts never run at once (decode takes it over from the prefill worker that sent it). Then it
-looks at the stream. Already finished: skip. Holding more than this
-phase started with (decode starts after prefill's one token event): an earlier attempt died mid-stream,
-and replaying would duplicate tokens the client has seen, so publish an ``error`` event with code
-``worker_lost`` for the client to retry. Nothing yet: run; a clean retry. When a worker's heartbeat goes
+Redelivery and dead workers (acks_late): an attempt begins with one atomic script (``RequestStream.begin``:
+one round trip) that looks at the stream, takes the request's lease, so two live attempts never run at once
+(decode takes it over from the prefill worker that sent it), records the request in flight and reads its
+cancel key. Already finished: skip. Holding more than this phase started with (decode starts after
+prefill's one token event): an earlier attempt died mid-stream, and replaying would duplicate tokens the
+client has seen, so publish an ``error`` event with code ``worker_lost`` for the client to retry. Nothing
+yet: run; a clean retry. When a worker's heartbeat goes
 stale, a live peer of its pool recovers its in-flight requests by the same rule (re-queue or fail) and
 re-queues the tasks waiting in its worker queue; so a reader never waits past a worker's death by more than
 ``HEARTBEAT_TTL_S`` plus one heartbeat, as long as one worker of the pool lives. Usage is counted once: only
@@ -52,7 +53,6 @@ from gpu_workers.protocol import (
     KVHandoff,
     Sampling,
     Usage,
-    cancel_key,
     pool_queue,
     send_task,
     worker_queue,
@@ -159,31 +159,31 @@ class TaskRunner:
             send_task(self.app, name, payload, pool_queue(task.deployment, self.pool))
             return
         stream = RequestStream(self.client, task.request_id, self.worker_id)
-        state = stream.state()
-        if state.finished:
+        # Decode may take the lease over from the prefill worker that wrote the first (and only) token:
+        # prefill holds it until the decode task is sent, so a failed send can still be reported.
+        begun = stream.begin(
+            handover=name == TASK_DECODE,
+            allowed_events=1 if name == TASK_DECODE else 0,
+            inflight=self.inflight.entry(task.request_id, name, payload),
+        )
+        if begun.status == "finished":
             log.info("request %s already finished; dropping a redelivered %s", task.request_id, name)
             return
-        # Decode takes the lease over from the prefill worker that wrote the first (and only) token:
-        # prefill holds it until the decode task is sent, so a failed send can still be reported.
-        handed_over_by = state.last.worker_id if name == TASK_DECODE and state.events == 1 else None
-        if not stream.claim(handed_over_by):
+        if begun.status == "busy":
             log.info("request %s is being served by another attempt; dropping this %s", task.request_id, name)
             return
         try:
-            state = stream.state()
-            if state.finished:
-                return
-            if state.events > (1 if name == TASK_DECODE else 0):
+            if begun.status == "cut":
                 log.warning("request %s was cut off mid-stream by a dead worker; failing it", task.request_id)
                 stream.publish(worker_lost())
                 return
-            self.inflight.add(task.request_id, name, payload)
+            self.inflight.track(task.request_id)
             try:
                 {TASK_SERVE: self._serve, TASK_PREFILL: self._prefill, TASK_DECODE: self._decode}[name](
-                    task, stream
+                    task, stream, begun.cancelled
                 )
             finally:
-                self.inflight.remove(task.request_id)
+                self.inflight.untrack(task.request_id)
         except LeaseLost:
             log.warning("request %s was taken over by another attempt; stopped this one", task.request_id)
         except Exception as exc:
@@ -195,20 +195,20 @@ class TaskRunner:
             except Exception:
                 log.exception("could not report the failure of request %s", task.request_id)
         finally:
-            stream.release()
+            stream.end(self.inflight.key)
 
-    def _serve(self, task: GenerateTask, stream: RequestStream) -> None:
+    def _serve(self, task: GenerateTask, stream: RequestStream, cancelled: bool) -> None:
         usage = Usage(prompt_tokens=len(task.prompt_ids))
-        if not self._admit(task, stream, usage):
+        if not self._admit(task, stream, usage, cancelled):
             return
         outcome = self._generate(task, stream, task.prompt_ids, sampling_params(task.sampling))
         usage.cached_tokens = outcome.final.cached_tokens
         usage.completion_tokens = outcome.completion_tokens
         stream.publish(self._terminal(outcome, usage))
 
-    def _prefill(self, task: GenerateTask, stream: RequestStream) -> None:
+    def _prefill(self, task: GenerateTask, stream: RequestStream, cancelled: bool) -> None:
         usage = Usage(prompt_tokens=len(task.prompt_ids))
-        if not self._admit(task, stream, usage):
+        if not self._admit(task, stream, usage, cancelled):
             return
         hand_off = task.sampling.max_tokens > 1
         params = sampling_params(task.sampling, max_tokens=1)
@@ -249,7 +249,7 @@ class TaskRunner:
             self.handoff.discard(header)
             raise
 
-    def _decode(self, task: GenerateTask, stream: RequestStream) -> None:
+    def _decode(self, task: GenerateTask, stream: RequestStream, cancelled: bool) -> None:
         header = task.handoff
         if header is None:
             stream.publish(
@@ -259,7 +259,7 @@ class TaskRunner:
         usage = Usage(
             prompt_tokens=len(task.prompt_ids), cached_tokens=header.cached_tokens, completion_tokens=1
         )
-        if not self._admit(task, stream, usage):
+        if not self._admit(task, stream, usage, cancelled):
             self.handoff.discard(header)
             return
         try:
@@ -316,9 +316,10 @@ class TaskRunner:
 
     # -- the engine side -----------------------------------------------------------------------------
 
-    def _admit(self, task: GenerateTask, stream: RequestStream, usage: Usage) -> bool:
-        """False (after publishing why) if the request was cancelled or is past its deadline already."""
-        if self.client.exists(cancel_key(task.request_id)):
+    def _admit(self, task: GenerateTask, stream: RequestStream, usage: Usage, cancelled: bool) -> bool:
+        """False (after publishing why) if the request was cancelled (its cancel key was set when the attempt
+        began) or is past its deadline already."""
+        if cancelled:
             stream.publish(Event(kind="final", finish_reason="abort", usage=as_dict(usage)))
             return False
         if time.time() >= task.deadline:
