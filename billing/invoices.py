@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, time, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Table, and_, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from billing.rollups import BadCursor, decode_cursor, encode_cursor
 from billing.schema import Invoice, InvoiceLine, InvoiceSum, LedgerEvent, Price, Rollup, utcnow
+from billing.upserts import insert_for
 
 DEFAULT_GRACE = timedelta(days=3)
 KINDS = ("cached_input", "fresh_input", "output")
@@ -75,10 +75,6 @@ def closes_at(period: str, grace: timedelta = DEFAULT_GRACE) -> datetime:
     return _midnight(period_start(next_period(period))) + grace
 
 
-def _insert(session: Session, table: Table):
-    return (postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert)(table)
-
-
 # --- at ledger insert ------------------------------------------------------------------------------------
 
 
@@ -109,7 +105,7 @@ def _lock_invoices(session: Session, pairs: list[tuple[str, str]]) -> set[tuple[
     """Create the missing draft invoices of ``pairs`` (tenant id, period), share-lock all of them, and return
     those that are final."""
     table = Invoice.__table__
-    stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["tenant_id", "period"])
+    stmt = insert_for(session, table).on_conflict_do_nothing(index_elements=["tenant_id", "period"])
     session.execute(stmt, [{"tenant_id": t, "period": p, "status": DRAFT} for t, p in pairs])
     match = or_(*(and_(Invoice.tenant_id == t, Invoice.period == p) for t, p in pairs))
     query = (

@@ -22,16 +22,15 @@ from typing import Any, Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Table, text
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from billing import quality
 from billing.invoices import DEFAULT_GRACE, assign_invoice_periods
 from billing.prices import PriceBook
 from billing.schema import NO_KEY, NO_PRICE, InvoiceSum, LedgerEvent, Rollup, utcnow
+from billing.upserts import add_to_sums, insert_for
 
 ROLLUP_SUMS = ("requests", "cached_input_tokens", "fresh_input_tokens", "output_tokens", "cost")
-ROLLUP_CHUNK = 500  # rows per SQLite upsert statement (at most 12 parameters each: under SQLite's limit)
 
 
 class UsageEvent(BaseModel):
@@ -100,10 +99,6 @@ def price_row(event: UsageEvent, book: PriceBook) -> dict[str, Any]:
         "finished_at": finished,
         "day": finished.astimezone(timezone.utc).date(),
     }
-
-
-def _insert(session: Session, table: Table):
-    return (postgresql.insert if _postgres(session) else sqlite.insert)(table)
 
 
 def _postgres(session: Session) -> bool:
@@ -200,7 +195,7 @@ def record_events(
             inserted = set(session.scalars(_RECORD_PG, _json_rows(ordered)))
             new = [row for request_id, row in rows.items() if request_id in inserted]
         else:
-            stmt = _insert(session, table).on_conflict_do_nothing(index_elements=["request_id"])
+            stmt = insert_for(session, table).on_conflict_do_nothing(index_elements=["request_id"])
             inserted = set(session.scalars(stmt.returning(table.c.request_id), ordered))
             new = [row for request_id, row in rows.items() if request_id in inserted]
             _add_sums(session, Rollup.__table__, ROLLUP_KEYS, ROLLUP_SUMS, new, _rollup_key)
@@ -242,9 +237,4 @@ def _add_sums(
         {**dict(zip(keys, key, strict=True)), **total}
         for key, total in sorted(grouped.items())  # one order everywhere: no deadlocks between writers
     ]
-    stmt = _insert(session, table)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=list(keys), set_={name: table.c[name] + stmt.excluded[name] for name in sums}
-    )
-    for start in range(0, len(values), ROLLUP_CHUNK):  # each key once: summed above
-        session.execute(stmt.values(values[start : start + ROLLUP_CHUNK]))
+    add_to_sums(session, table, keys, sums, values)

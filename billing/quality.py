@@ -30,7 +30,6 @@ from typing import Any
 
 from redis import Redis
 from sqlalchemy import Table, delete, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.schema import (
@@ -42,6 +41,7 @@ from billing.schema import (
     RejectionFlush,
     utcnow,
 )
+from billing.upserts import add_to_sums, insert_for
 
 # Bucket upper bounds in seconds: 1 ms to 100 s, six per decade. Bucket i holds [BOUNDS[i-1], BOUNDS[i]);
 # bucket 0 is [0, 1 ms), bucket len(BOUNDS) is [100 s, inf).
@@ -50,7 +50,6 @@ METRICS = ("ttft", "tpot")
 # The limits a 429 names: quotas.LIMITS in tessera, and "capacity" for a busy model asked to reject.
 LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens", "monthly_spend", "capacity")
 FLUSH_KEEP = timedelta(days=7)  # how long a flush token is remembered (an in-flight batch lives seconds)
-UPSERT_CHUNK = 500
 
 
 def bucket_of(seconds: float) -> int:
@@ -86,19 +85,10 @@ def latencies(row: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def _insert(session: Session, table: Table):
-    return (postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert)(table)
-
-
 def _add_counts(session: Session, table: Table, keys: tuple[str, ...], counts: Mapping[tuple, int]) -> None:
     """Add ``counts`` (key tuple -> requests) to ``table``'s ``requests``, in one key order for every writer."""
     values = [{**dict(zip(keys, key, strict=True)), "requests": n} for key, n in sorted(counts.items())]
-    stmt = _insert(session, table)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=list(keys), set_={"requests": table.c.requests + stmt.excluded.requests}
-    )
-    for start in range(0, len(values), UPSERT_CHUNK):
-        session.execute(stmt.values(values[start : start + UPSERT_CHUNK]))
+    add_to_sums(session, table, keys, ("requests",), values)
 
 
 LATENCY_KEYS = ("tenant_id", "day", "model", "key_id", "metric", "bucket")
@@ -183,7 +173,9 @@ def flush_rejections(redis: Redis, sessions: sessionmaker[Session], key: str) ->
     with sessions() as session:
         try:
             now = utcnow()
-            stmt = _insert(session, RejectionFlush.__table__).on_conflict_do_nothing(index_elements=["token"])
+            stmt = insert_for(session, RejectionFlush.__table__).on_conflict_do_nothing(
+                index_elements=["token"]
+            )
             first = session.execute(stmt.values(token=token, flushed_at=now).returning(RejectionFlush.token))
             if first.first() is not None:  # else a consumer that died after its commit added them already
                 _add_counts(session, RejectionCount.__table__, REJECTION_KEYS, counts)

@@ -612,6 +612,37 @@ def test_a_request_settled_twice_counts_once(session):
     assert tenancy.get_key(session, key.prefix).last_used_at is not None
 
 
+def test_one_batch_of_records_with_different_columns_settles_each_once(session):
+    tenant = tenancy.create_tenant(session, "acme")
+    common = {"tenant_id": tenant.id, "deployment": "m"}
+    tenancy.settle_records(
+        session, [{"request_id": "done", "status": "completed", "completion_tokens": 5, **common}]
+    )
+    changed = tenancy.settle_records(
+        session,
+        [
+            {"request_id": "a", "status": "running", **common},
+            {
+                "request_id": "b",
+                "status": "failed",
+                "error_code": "timeout",
+                "completion_tokens": 3,
+                **common,
+            },
+            {"request_id": "a", "status": "completed", **common},  # the first of an id wins
+            {"request_id": "done", "status": "running", "completion_tokens": 9, **common},  # final already
+            {"request_id": "c", "status": "completed", "completion_tokens": 2, "model": "x", **common},
+        ],
+    )
+    assert sorted(changed) == ["a", "b", "c"]
+    session.expire_all()
+    rows = {r.request_id: r for r in session.scalars(select(RequestRecord))}
+    assert (rows["a"].status, rows["a"].finished_at) == ("running", None)
+    assert (rows["b"].status, rows["b"].error_code, rows["b"].completion_tokens) == ("failed", "timeout", 3)
+    assert (rows["c"].model, rows["c"].completion_tokens) == ("x", 2)
+    assert (rows["done"].status, rows["done"].completion_tokens) == ("completed", 5)
+
+
 def test_a_failed_request_keeps_its_error_code(session):
     tenant = tenancy.create_tenant(session, "acme")
     assert tenancy.record_request(
