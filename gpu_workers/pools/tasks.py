@@ -15,11 +15,11 @@ one round trip) that looks at the stream, takes the request's lease, so two live
 cancel key. Already finished: skip. Holding more than this phase started with (decode starts after
 prefill's one token event): an earlier attempt died mid-stream, and replaying would duplicate tokens the
 client has seen, so publish an ``error`` event with code ``worker_lost`` for the client to retry. Nothing
-yet: run; a clean retry. When a worker's heartbeat goes
-stale, a live peer of its pool recovers its in-flight requests by the same rule (re-queue or fail) and
-re-queues the tasks waiting in its worker queue; so a reader never waits past a worker's death by more than
-``HEARTBEAT_TTL_S`` plus one heartbeat, as long as one worker of the pool lives. Usage is counted once: only
-the terminal event carries it, and the lease lets exactly one attempt write a terminal event.
+yet: run; a clean retry. When a worker's heartbeat goes stale, a live peer of its pool recovers its
+in-flight requests by the same rule (re-queue or fail) and re-queues the tasks waiting in its worker
+queue; so a reader never waits past a worker's death by more than ``HEARTBEAT_TTL_S`` plus one heartbeat,
+as long as one worker of the pool lives. Usage is counted once: only the terminal event carries it, and the
+lease lets exactly one attempt write a terminal event.
 
 A worker whose engine failed for good (``Engine.failed``) ends its running requests with ``worker_lost`` and
 hands every task it has not started back to the pool queue, for a live peer (``worker.py`` then exits).
