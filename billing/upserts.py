@@ -19,16 +19,17 @@ from sqlalchemy.orm import Session
 
 def insert_for(session: Session, table: Table):
     """An INSERT into ``table`` that takes ``on_conflict_do_*`` (PostgreSQL's or SQLite's)."""
-    return _insert(session.get_bind().dialect.name, table)
+    return dialect_insert(session.get_bind().dialect.name, table)
 
 
-def _insert(dialect: str, table: Table):
+def dialect_insert(dialect: str, table: Table):
+    """``insert_for`` by the dialect's name, for statements built once and cached per dialect."""
     return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
 
 
 @functools.lru_cache(maxsize=64)
 def _adding(dialect: str, table: Table, keys: tuple[str, ...], sums: tuple[str, ...]):
-    insert = _insert(dialect, table)
+    insert = dialect_insert(dialect, table)
     return insert.on_conflict_do_update(
         index_elements=list(keys), set_={name: table.c[name] + insert.excluded[name] for name in sums}
     )

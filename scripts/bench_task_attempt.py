@@ -33,7 +33,7 @@ def attempt(client: redis.Redis, inflight: Inflight) -> None:
     stream = RequestStream(client, request_id, "bench-worker")
     if hasattr(stream, "begin"):
         begun = stream.begin(
-            handover=False, allowed_events=0, inflight=inflight.entry(request_id, "tessera.prefill", PAYLOAD)
+            handed_over=False, inflight=inflight.entry(request_id, "tessera.prefill", PAYLOAD)
         )
         assert begun.status == "claimed" and not begun.cancelled
         inflight.track(request_id)

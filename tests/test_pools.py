@@ -164,7 +164,7 @@ def test_an_attempt_begins_only_where_it_may_and_ends_what_it_began(client, name
     def begin(request_id: str, worker: str, decode: bool = False):
         entry = (inflight_key(worker), request_id, json.dumps({"task": "t", "payload": "{}"}))
         stream = RequestStream(client, request_id, worker)
-        return stream, stream.begin(handover=decode, allowed_events=int(decode), inflight=entry)
+        return stream, stream.begin(handed_over=decode, inflight=entry)
 
     fresh = f"{namespace}-begin-fresh"
     stream, begun = begin(fresh, "w1")

@@ -69,9 +69,9 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 # An attempt's start in one round trip. KEYS: stream, lease, the worker's in-flight hash, cancel key. ARGV: owner,
-# lease ttl ms, the events an attempt may find there (1 for decode: prefill's token), hand-over (1: the lease
-# may be taken from the worker that wrote the stream's only event, the prefill that handed the request on),
-# in-flight field and value, in-flight ttl s. Returns {status, events, cancelled}: 'finished' (the stream
+# lease ttl ms, handed over (1: the attempt continues a stream that another worker began and handed on, as
+# decode continues prefill's: it may find that worker's one event and take that worker's lease), in-flight
+# field and value, in-flight ttl s. Returns {status, events, cancelled}: 'finished' (the stream
 # ended: nothing taken), 'busy' (another attempt holds the lease), 'cut' (the lease is ours, but the stream
 # holds more than an attempt may find: a dead worker's partial output), 'claimed' (the lease is ours and the
 # request recorded in flight).
@@ -82,16 +82,17 @@ if n > 0 then
   last = cjson.decode(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][2][2])
   if last.kind == 'final' or last.kind == 'error' then return {'finished', n, 0} end
 end
+local handed_over = ARGV[3] == '1'
 local previous = false
-if ARGV[4] == '1' and n == 1 and type(last.worker_id) == 'string' and last.worker_id ~= '' then
+if handed_over and n == 1 and type(last.worker_id) == 'string' and last.worker_id ~= '' then
   previous = last.worker_id
 end
 local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= previous then return {'busy', n, 0} end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-if n > tonumber(ARGV[3]) then return {'cut', n, 0} end
-redis.call('HSET', KEYS[3], ARGV[5], ARGV[6])
-redis.call('EXPIRE', KEYS[3], ARGV[7])
+if n > (handed_over and 1 or 0) then return {'cut', n, 0} end
+redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ARGV[6])
 return {'claimed', n, redis.call('EXISTS', KEYS[4])}
 """
 # An attempt's end: KEYS: lease, in-flight hash. ARGV: owner, in-flight field. Drop the in-flight record; delete
@@ -168,15 +169,16 @@ class RequestStream:
             return bool(self.client.set(self._lease, self.owner, nx=True, px=LEASE_TTL_MS))
         return bool(self._take_over(keys=[self._lease], args=[self.owner, previous_owner, LEASE_TTL_MS]))
 
-    def begin(self, *, handover: bool, allowed_events: int, inflight: tuple[str, str, str]) -> Begun:
+    def begin(self, *, handed_over: bool, inflight: tuple[str, str, str]) -> Begun:
         """Start an attempt in one round trip: read what the stream holds, take the lease if it is free (or,
-        with ``handover``, held by the worker that wrote the stream's only event), record the request in
-        the worker's in-flight hash (``inflight``: key, field, value) and read its cancel key, all as one
-        atomic step. A ``cut`` or ``claimed`` attempt holds the lease: ``end`` it."""
+        ``handed_over``, as decode continues prefill's stream: held by the worker that wrote the stream's
+        only event, which the attempt then expects to find), record the request in the worker's in-flight
+        hash (``inflight``: key, field, value) and read its cancel key, all as one atomic step. A ``cut`` or
+        ``claimed`` attempt holds the lease: ``end`` it."""
         key, name, value = inflight
         status, events, cancelled = self._begin(
             keys=[stream_key(self.request_id), self._lease, key, cancel_key(self.request_id)],
-            args=[self.owner, LEASE_TTL_MS, allowed_events, int(handover), name, value, STREAM_TTL_S],
+            args=[self.owner, LEASE_TTL_MS, int(handed_over), name, value, STREAM_TTL_S],
         )
         return Begun(status.decode(), int(events), bool(cancelled))
 

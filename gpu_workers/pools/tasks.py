@@ -162,9 +162,7 @@ class TaskRunner:
         # Decode may take the lease over from the prefill worker that wrote the first (and only) token:
         # prefill holds it until the decode task is sent, so a failed send can still be reported.
         begun = stream.begin(
-            handover=name == TASK_DECODE,
-            allowed_events=1 if name == TASK_DECODE else 0,
-            inflight=self.inflight.entry(task.request_id, name, payload),
+            handed_over=name == TASK_DECODE, inflight=self.inflight.entry(task.request_id, name, payload)
         )
         if begun.status == "finished":
             log.info("request %s already finished; dropping a redelivered %s", task.request_id, name)

@@ -25,10 +25,10 @@ from typing import Any, Generic, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from redis import Redis, RedisError
 from sqlalchemy import ColumnElement, Select, and_, func, literal, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from billing.upserts import dialect_insert
 from gpu_workers.protocol import DeploymentSpec, config_key, connect_redis
 from tessera import auth
 from tessera.models import (
@@ -693,7 +693,7 @@ def _settle_statement(dialect: str, columns: frozenset[str]):
     """The upsert ``settle_records`` runs for records with these columns (RETURNING the ids it changed: not
     rowcount, which psycopg reports none of for upserts)."""
     table = RequestRecord.__table__
-    insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+    insert = dialect_insert(dialect, table)
     # One bound value per final status: a bound list would expand per execution, which executemany refuses.
     final = [literal(status) for status in FINAL_STATUSES]
     return insert.on_conflict_do_update(
@@ -732,7 +732,7 @@ def settle_records(session: Session, records: Sequence[Mapping[str, Any]]) -> li
     changed: list[str] = []
     for columns, rows in by_columns.items():
         # executemany of one cached statement: compiled once per process, where a multi-row VALUES built
-        # per batch was compiled per batch (8x the CPU of a record on SQLite, 3x on PostgreSQL)
+        # per batch was compiled per batch (BENCHMARKS.md: 4.8-12x the CPU on SQLite, 3.6-4.6x on PostgreSQL)
         changed += session.scalars(_settle_statement(dialect, columns), rows)
     changed_ids = set(changed)
     last_used: dict[str, datetime] = {}
