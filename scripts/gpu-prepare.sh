@@ -4,13 +4,22 @@
 #   .whl/                 wheels of what `tessera`'s command line imports and the GPU image lacks (its python3
 #                         is 3.12 with torch, triton, safetensors, tokenizers, jinja2, rich, numpy, pytest), at
 #                         this venv's versions; the session installs them with --no-index
-#   .tessera/gpu-session/corpus.pt   the trainer's tokenised corpus (--corpus-cache) with models/pycode-tiny's
+#   .tessera/gpu-session/corpus.pt   with --corpus only (default-model work: the session trains only where it
+#                         is carried): the trainer's tokenised corpus (--corpus-cache) with models/pycode-tiny's
 #                         tokenizer, so the GPU machine (another Python, another stdlib) trains on this one
-# Usage: bash scripts/gpu-prepare.sh [--no-wheels]
+# Usage: bash scripts/gpu-prepare.sh [--no-wheels] [--corpus]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache=.tessera/gpu-session/corpus.pt
-if [ "${1:-}" != --no-wheels ]; then
+wheels=1 corpus=0
+for arg in "$@"; do
+    case $arg in
+    --no-wheels) wheels=0 ;;
+    --corpus) corpus=1 ;;
+    *) echo "usage: bash scripts/gpu-prepare.sh [--no-wheels] [--corpus]" >&2; exit 2 ;;
+    esac
+done
+if [ "$wheels" = 1 ]; then
     packages=(redis celery kombu amqp vine billiard tzlocal pydantic pydantic_core typing_inspection
         annotated_types typing_extensions)
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
@@ -26,6 +35,7 @@ PY
     echo "wheels: $(ls .whl | wc -l) in .whl ($(du -sh .whl | cut -f1))"
 fi
 rm -f "$cache"
+[ "$corpus" = 1 ] || exit 0
 # The flags that decide the corpus: the held-out split and the continued model's tokenizer.
 python - "$cache" <<'PY'
 import sys

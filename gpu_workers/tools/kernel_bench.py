@@ -1,8 +1,11 @@
 """Kernel benchmarks: weight GEMV/GEMM per weight format and batch, paged decode attention per KV format and
 context length, as time, achieved memory bandwidth and speedup over BF16.
 
-On CUDA the Triton kernels run (timed with ``triton.testing.do_bench``); elsewhere the torch references
-run instead, timed by wall clock, and the rows say so.
+On CUDA the Triton kernels run, each timed twice: replayed from a CUDA graph
+(``triton.testing.do_bench_cudagraph``: the kernels' own time, what a decode step captured in a graph pays)
+and launched from Python (``do_bench``: what an eager step pays, launch overhead included, which for a
+batch-1 GEMV can exceed the kernel). Elsewhere the torch references run, timed by wall clock, and the
+rows say so.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ class GemmRow:
     n: int
     batch: int
     weights: str  # bf16 | fp8 | int4
-    ms: float
+    ms: float  # CUDA graph replay on a GPU; wall clock elsewhere
     gbs: float  # bytes moved (weights as stored + activations in and out) per second
     speedup: float  # over bf16 at the same shape and batch
+    eager_ms: float | None  # launched from Python, on a GPU
 
 
 @dataclass
@@ -41,9 +45,10 @@ class AttentionRow:
     batch: int
     context: int
     kv: str  # bf16 | fp8_e4m3
-    ms: float
+    ms: float  # CUDA graph replay on a GPU; wall clock elsewhere
     gbs: float  # KV bytes read (with page scales) + q + out per second
     speedup: float  # over bf16 KV at the same batch and context
+    eager_ms: float | None  # launched from Python, on a GPU
 
 
 def backend(device: torch.device) -> str:
@@ -57,17 +62,65 @@ def peak_gbs(device: torch.device) -> float | None:
     return next((gbs for key, gbs in PEAK_GBS.items() if key in name), None)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+# Operands rotated through a captured graph add up to at least this many bytes, about twice an H100's or
+# H200's 50-60 MB L2: each call then reads its weights or KV from HBM, as a model's layers do.
+ROTATE_BYTES = 128 * 2**20
+
+
+def copies_for(nbytes: int, device: torch.device) -> int:
+    """How many copies of ``nbytes`` of operands a graph rotates through (one off the GPU)."""
+    return min(32, -(-ROTATE_BYTES // nbytes)) if device.type == "cuda" else 1
+
+
+def time_ms(
+    calls: list[Callable[[], object]], device: torch.device, repeats: int
+) -> tuple[float, float | None]:
+    """(ms, eager_ms) of one call. ``calls`` run the same kernel on distinct copies of its operands.
+
+    On CUDA: ms is a CUDA graph of all the calls replayed, per call (no launch overhead, operands from
+    HBM); eager_ms is ``do_bench`` of the first (launched from Python, L2 flushed between calls). A call
+    that cannot be captured keeps its eager time. Elsewhere: the first call's median wall clock over
+    ``repeats``, and None."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=100)
-    fn()
+        eager = do_bench(calls[0], warmup=25, rep=100)
+        try:
+            replayed = _graph_ms(calls, repeats=max(repeats, 20))
+        except RuntimeError as exc:  # a call that syncs with the host cannot be captured
+            print(f"not capturable, eager time kept: {exc}")
+            replayed = eager
+        return replayed, eager
+    calls[0]()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        calls[0]()
         samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples), None
+
+
+def _graph_ms(calls: list[Callable[[], object]], repeats: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture, as torch's graph docs ask
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / len(calls))
     return statistics.median(samples)
 
 
@@ -85,18 +138,31 @@ def bench_gemm(
         "fp8": f8.weight.numel() + f8.weight_scale.numel() * 4,
         "int4": i4.weight_packed.numel() + (i4.weight_scale.numel() + i4.weight_zero.numel()) * 2,
     }
+    stored = {
+        "bf16": (w_bf16,),
+        "fp8": (f8.weight, f8.weight_scale),
+        "int4": (i4.weight_packed, i4.weight_scale, i4.weight_zero),
+    }
+    copies = {
+        fmt: [tensors]
+        + [tuple(t.clone() for t in tensors) for _ in range(copies_for(weight_bytes[fmt], device) - 1)]
+        for fmt, tensors in stored.items()
+    }
+    kernels = {
+        "bf16": lambda x, w: F.linear(x, w),
+        "fp8": lambda x, w, scale: fp8_linear(x, w, scale),
+        "int4": lambda x, w, scale, zero: int4_linear(x, w, scale, zero, group_size),
+    }
     rows = []
     for batch in batches:
         x = (torch.randn(batch, k, generator=gen)).to(device, torch.bfloat16)
-        runs = {
-            "bf16": lambda x=x: F.linear(x, w_bf16),
-            "fp8": lambda x=x: fp8_linear(x, f8.weight, f8.weight_scale),
-            "int4": lambda x=x: int4_linear(x, i4.weight_packed, i4.weight_scale, i4.weight_zero, group_size),
+        times = {
+            fmt: time_ms([lambda x=x, c=c, f=kernels[fmt]: f(x, *c) for c in copies[fmt]], device, repeats)
+            for fmt in kernels
         }
-        times = {fmt: time_ms(fn, device, repeats) for fmt, fn in runs.items()}
-        for fmt, ms in times.items():
+        for fmt, (ms, eager) in times.items():
             moved = weight_bytes[fmt] + 2 * batch * (k + n)
-            rows.append(GemmRow(k, n, batch, fmt, ms, moved / ms / 1e6, times["bf16"] / ms))
+            rows.append(GemmRow(k, n, batch, fmt, ms, moved / ms / 1e6, times["bf16"][0] / ms, eager))
     return rows
 
 
@@ -117,11 +183,11 @@ def bench_attention(
         num_pages = batch * -(-context // page_size)
         kv_elements = 2 * batch * context * kv_heads * head_dim
         io = 2 * 2 * batch * heads * head_dim
-        for fmt, ms in times.items():
+        for fmt, (ms, eager) in times.items():
             moved = (
                 kv_elements * (2 if fmt == "bf16" else 1) + io + (0 if fmt == "bf16" else 2 * 4 * num_pages)
             )
-            rows.append(AttentionRow(batch, context, fmt, ms, moved / ms / 1e6, times["bf16"] / ms))
+            rows.append(AttentionRow(batch, context, fmt, ms, moved / ms / 1e6, times["bf16"][0] / ms, eager))
     return rows
 
 
@@ -134,7 +200,7 @@ def _attention_times(
     head_dim: int,
     page_size: int,
     repeats: int,
-) -> dict[str, float]:
+) -> dict[str, tuple[float, float | None]]:
     gen = torch.Generator(device="cpu").manual_seed(0)
     pages_per_seq = -(-context // page_size)
     num_pages = batch * pages_per_seq
@@ -148,15 +214,18 @@ def _attention_times(
     slot_scale = page_scale.repeat_interleave(page_size)[:, None, None]
     k8, v8 = quantize_fp8(k, slot_scale), quantize_fp8(v, slot_scale)
     scale = head_dim**-0.5
-    return {
-        "bf16": time_ms(
-            lambda: paged_decode_attention(q, k, v, block_tables, seq_lens, page_size, scale), device, repeats
-        ),
-        "fp8_e4m3": time_ms(
-            lambda: paged_decode_attention(
-                q, k8, v8, block_tables, seq_lens, page_size, scale, None, page_scale, page_scale
-            ),
-            device,
-            repeats,
-        ),
-    }
+    caches = {"bf16": (k, v), "fp8_e4m3": (k8, v8)}
+    times = {}
+    for fmt, (k_pages, v_pages) in caches.items():
+        n = copies_for(2 * k_pages.numel() * k_pages.element_size(), device)
+        pairs = [(k_pages, v_pages)] + [(k_pages.clone(), v_pages.clone()) for _ in range(n - 1)]
+        scales = (None, None) if fmt == "bf16" else (page_scale, page_scale)
+        calls = [
+            lambda kp=kp, vp=vp, scales=scales: paged_decode_attention(
+                q, kp, vp, block_tables, seq_lens, page_size, scale, None, *scales
+            )
+            for kp, vp in pairs
+        ]
+        times[fmt] = time_ms(calls, device, repeats)
+        del pairs, calls
+    return times

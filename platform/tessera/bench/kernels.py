@@ -54,19 +54,28 @@ def run_kernels(
         print("no CUDA device: these are the torch reference paths on CPU, not the Triton kernels")
     print(f"peak memory bandwidth: {f'{peak:,.0f} GB/s' if peak else 'unknown (--peak-gbs)'}")
     print()
-    print(f"{'K x N':<13}{'batch':>6}{'weights':>9}{'ms':>10}{'GB/s':>10}{'% peak':>8}{'vs bf16':>9}")
+    if gpu:
+        print("ms: replayed from a CUDA graph (the kernels' own time); eager ms: launched from Python")
+    print(
+        f"{'K x N':<13}{'batch':>6}{'weights':>9}{'ms':>10}{'GB/s':>10}{'% peak':>8}{'vs bf16':>9}{'eager ms':>10}"
+    )
     for r in gemm:
         print(
             f"{f'{r.k}x{r.n}':<13}{r.batch:>6}{r.weights:>9}{r.ms:>10.4f}{r.gbs:>10.3g}"
-            f"{_percent(r.gbs, peak):>8}{r.speedup:>8.2f}x"
+            f"{_percent(r.gbs, peak):>8}{r.speedup:>8.2f}x{_ms(r.eager_ms):>10}"
         )
     print()
     print(f"paged decode attention, 32 query / 8 KV heads x 128, page 16, batch {attn_batch}")
-    print(f"{'context':<9}{'KV':>10}{'ms':>10}{'GB/s':>10}{'% peak':>8}{'vs bf16':>9}")
+    print(f"{'context':<9}{'KV':>10}{'ms':>10}{'GB/s':>10}{'% peak':>8}{'vs bf16':>9}{'eager ms':>10}")
     for r in attention:
         print(
             f"{r.context:<9}{r.kv:>10}{r.ms:>10.4f}{r.gbs:>10.3g}{_percent(r.gbs, peak):>8}{r.speedup:>8.2f}x"
+            f"{_ms(r.eager_ms):>10}"
         )
+
+
+def _ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.4f}"
 
 
 def _percent(gbs: float, peak: float | None) -> str:
