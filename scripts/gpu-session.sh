@@ -5,6 +5,8 @@
 #                on the kernels vs on the references (scripts/gpu_kernel_check.py)
 #   kernels      tessera bench kernels: W4A16 / FP8 GEMV vs BF16 at batch 1, 8, 32 on 4096x4096 and
 #                4096x14336; paged decode attention GB/s vs the H200's 4,800 GB/s
+#   int4-sweep   the W4A16 kernel's launch choice against a sweep of tile widths and K splits, BF16, and
+#                (TESSERA_GPU_INT4_BASELINE=FILE, carried) another version of the kernel
 #   train        only where the corpus cache is carried (default-model work): the trainer on cuda for a fixed
 #                time budget, continuing models/pycode-tiny; the model is written under OUT_DIR
 #   llama-1b     a random ~1B-parameter Llama written at run time, then `tessera quantize` to fp8 and int4
@@ -14,7 +16,8 @@
 #                BF16 / FP8 KV at 1, 32 and 64 concurrent (scripts/gpu_step_profile.py): what CUDA graphs
 #                could win
 #   tests        TESSERA_KERNELS=triton pytest tests/test_kernels.py (the interpreter, on this Triton), run on
-#                the CPUs alongside the GPU stages from the start
+#                the CPUs alongside the GPU stages from the start, with the NumPy carried in .whl/interp
+#                where there is one (Triton 3.6's interpreter fails on NumPy 2.5)
 # Each stage runs under its own timeout, capped by what is left of the whole script's deadline
 # (TESSERA_GPU_DEADLINE_S, default 560 s), and writes OUT_DIR/<stage>.log (+ .json); OUT_DIR/summary.tsv
 # holds stage, rc, seconds, budget. `--smoke` shrinks every stage to run on a CPU in a few minutes.
@@ -54,6 +57,7 @@ if [ "$smoke" = 1 ]; then
     train_flags=(--device cpu --steps 3 --eval-every 3 --context 128 --batch-size 16 --warmup-steps 1)
     tests=(tests/test_kernels.py -k "kv_write_bf16 or fp8_gemm")
     profile_flags=(--device cpu --concurrency 1,4 --steps 3 --kv bf16)
+    sweep_flags=(--device cpu --shape 256x128 --batch 1)
 else
     device=cuda
     scale=1
@@ -70,7 +74,8 @@ else
     train_flags=(--device cuda --bf16 --budget-minutes 2 --context 2048 --batch-size 32 --lr 2e-3
         --warmup-steps 20 --eval-every 500 --log-every 50)
     tests=(tests/test_kernels.py -n 6)
-    profile_flags=(--device cuda --concurrency 1,32,64 --steps 20)
+    profile_flags=(--device cuda --concurrency 1,64 --steps 10)
+    sweep_flags=()
 fi
 
 # -- the stages: functions, each run by this script again under `timeout` (GPU_SESSION_STAGE=name) ----------
@@ -107,6 +112,13 @@ stage_kernel-check() {
 
 stage_kernels() {
     "${tessera[@]}" bench kernels --json "${kernels_flags[@]}" >"$out/kernels.json"
+}
+
+stage_int4-sweep() {
+    local baseline=()
+    [ -n "${TESSERA_GPU_INT4_BASELINE:-}" ] && baseline=(--baseline "$TESSERA_GPU_INT4_BASELINE")
+    if [ "$smoke" = 1 ]; then export TRITON_INTERPRET=1; fi
+    "$py" scripts/gpu_int4_sweep.py --json "$out/int4-sweep.json" "${sweep_flags[@]}" "${baseline[@]}"
 }
 
 stage_train() {
@@ -158,6 +170,11 @@ stage_step-profile() {
 }
 
 stage_tests() {
+    if [ "$smoke" = 0 ] && ls .whl/interp/*.whl >/dev/null 2>&1; then  # (cp312: the GPU image's Python)
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$scratch/site-interp" .whl/interp/*.whl || return 2
+        export PYTHONPATH=$scratch/site-interp:$PYTHONPATH
+    fi
     TESSERA_KERNELS=triton "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
 }
 
@@ -211,6 +228,7 @@ stage tests 150 "${mode[@]}" &  # the interpreter on the CPUs, while the GPU sta
 tests_pid=$!
 stage kernel-check 90 "${mode[@]}"
 stage kernels 60 "${mode[@]}"
+stage int4-sweep 90 "${mode[@]}"
 if [ -f "$cache" ]; then
     stage train 180 "${mode[@]}"
 else  # no default-model work this session: nothing carried to train on
@@ -218,8 +236,8 @@ else  # no default-model work this session: nothing carried to train on
 fi
 if stage llama-1b 60 "${mode[@]}" && stage quantize 75 "${mode[@]}"; then
     stage engine-bf16-weights 70 "${mode[@]}"
-    stage engine-fp8-weights 50 "${mode[@]}"
     stage engine-int4-weights 50 "${mode[@]}"
+    stage engine-fp8-weights 50 "${mode[@]}"
     stage step-profile 60 "${mode[@]}"
 fi
 wait "$tests_pid"

@@ -109,3 +109,17 @@ def test_kv_formats_bench_fits_more_requests_in_fp8(capsys, tiny_llama_dir):
     outputs = [o.token_ids for o in tight.generate(prompts, kv.greedy(16))]
     assert tight.stats()["preemptions"] > 0
     assert outputs == [o.token_ids for o in roomy.generate(prompts, kv.greedy(16))]
+
+
+def test_a_bench_whose_requests_fail_exits_with_the_engines_reason(capsys, tiny_llama_dir):
+    # 250 prompt + 16 output tokens outgrow the model's 256 positions: the engine fails every request.
+    # The engine only logs what an event callback raises, so a bench that raised there went on and
+    # reported 0 tok/s with exit code 0; it must stop and say why.
+    code = main(
+        ["bench", "kv-formats", "--model", str(tiny_llama_dir), "--concurrency", "1", "--prompt-tokens",
+         "250", "--max-tokens", "16", "--reps", "1", "--threads", "1", "--json"]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "benchmark request(s) failed" in captured.err
+    assert captured.out == ""

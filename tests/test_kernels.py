@@ -19,6 +19,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: @triton.jit reads it
 
 import random  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,7 +28,7 @@ from gpu_workers import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_workers.formats.fp8 import quantize_fp8  # noqa: E402
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
 from gpu_workers.kernels.fp8_linear_triton import fp8_linear_triton  # noqa: E402
-from gpu_workers.kernels.int4_linear_triton import int4_linear_triton  # noqa: E402
+from gpu_workers.kernels.int4_linear_triton import int4_linear_triton, int4_tiles  # noqa: E402
 from gpu_workers.kernels.kv_write import write_kv_reference  # noqa: E402
 from gpu_workers.kernels.kv_write_triton import write_kv_triton  # noqa: E402
 from gpu_workers.kernels.paged_attention import (  # noqa: E402
@@ -54,16 +55,25 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, relative: float) -> Non
 GEMM_SHAPES = [(1, 96, 256, 128), (5, 40, 200, 64), (37, 72, 160, 32)]
 
 
+@pytest.mark.parametrize("split_k", [None, 1, 3])
 @pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize(("m", "n", "k", "group"), GEMM_SHAPES)
-def test_int4_gemm_matches_reference(m, n, k, group, symmetric):
+# Groups of 48 straddle the kernel's K steps: scales are read per input column there.
+@pytest.mark.parametrize(("m", "n", "k", "group"), [*GEMM_SHAPES, (3, 40, 144, 48)])
+def test_int4_gemm_matches_reference(m, n, k, group, symmetric, split_k):
+    """The kernel's own choice of K splits (2 or 3 on these shapes), none, and 3 forced: the bias is
+    added once and every split's columns land in the sum."""
     gen = torch.Generator().manual_seed(m)
     q = quantize_int4(torch.randn(n, k, generator=gen), group, symmetric)
     x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     args = (q.weight_packed, q.weight_scale, q.weight_zero, group)
-    assert_matches(int4_linear_triton(x, *args, bias), int4_linear_reference(x, *args, bias), 1e-5)
+    tiles = int4_tiles(m, n, k, group, x.device)
+    assert tiles.split_k > 1
+    if split_k is not None:
+        tiles = replace(tiles, split_k=split_k)
+    out = int4_linear_triton(x, *args, bias, tiles=tiles)
+    assert_matches(out, int4_linear_reference(x, *args, bias), 1e-5)
     xb = x.to(torch.bfloat16)
-    assert_matches(int4_linear_triton(xb, *args), int4_linear_reference(xb, *args), 2**-7)
+    assert_matches(int4_linear_triton(xb, *args, tiles=tiles), int4_linear_reference(xb, *args), 2**-7)
 
 
 @pytest.mark.parametrize(("m", "n", "k", "group"), GEMM_SHAPES)

@@ -73,24 +73,26 @@ def copies_for(nbytes: int, device: torch.device) -> int:
 
 
 def time_ms(
-    calls: list[Callable[[], object]], device: torch.device, repeats: int
+    calls: list[Callable[[], object]], device: torch.device, repeats: int, eager: bool = True
 ) -> tuple[float, float | None]:
     """(ms, eager_ms) of one call. ``calls`` run the same kernel on distinct copies of its operands.
 
     On CUDA: ms is a CUDA graph of all the calls replayed, per call (no launch overhead, operands from
     HBM); eager_ms is ``do_bench`` of the first (launched from Python, L2 flushed between calls). A call
     that cannot be captured keeps its eager time. Elsewhere: the first call's median wall clock over
-    ``repeats``, and None."""
+    ``repeats``, and None. ``eager=False`` skips the eager timing (None in its place)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        eager = do_bench(calls[0], warmup=25, rep=100)
+        eager_ms = do_bench(calls[0], warmup=25, rep=100) if eager else None
         try:
             replayed = _graph_ms(calls, repeats=max(repeats, 20))
         except RuntimeError as exc:  # a call that syncs with the host cannot be captured
+            if eager_ms is None:
+                raise
             print(f"not capturable, eager time kept: {exc}")
-            replayed = eager
-        return replayed, eager
+            replayed = eager_ms
+        return replayed, eager_ms
     calls[0]()
     samples = []
     for _ in range(repeats):

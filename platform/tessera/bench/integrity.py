@@ -138,6 +138,8 @@ def _lockstep(engines: list, prompts: list[list[int]], params, first: int, timer
                 if k == 1:
                     inner.append(timer.seconds - counted)
         order.reverse()
+    for engine_outputs in outputs:
+        engine_outputs.raise_failed()
     if len(steps[0]) != len(steps[1]):
         raise RuntimeError(f"the engines took different numbers of steps ({[len(s) for s in steps]})")
     return {

@@ -62,20 +62,32 @@ def round_up(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size) * page_size
 
 
-def collect(engine, prompts: list[list[int]], params) -> dict[int, list[int]]:
-    """Add the prompts as requests; the returned dict fills with each request's tokens as they arrive."""
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+class Outputs(dict):
+    """Each request's tokens (request index -> token ids) as they arrive, and what failed.
 
-    def on_event(event, out: list[int]) -> None:
-        check(event)
-        out.extend(event.token_ids)
+    The engine only logs an exception raised in an event callback (a caller's bug must not stop it), so a
+    bench records failures here and calls ``raise_failed`` once it has stepped its requests through."""
 
+    def __init__(self, num_requests: int = 0):
+        super().__init__({i: [] for i in range(num_requests)})
+        self.failures: list[str] = []
+
+    def record(self, index: int, event) -> None:
+        if event.error is not None:
+            self.failures.append(f"{event.error.code}: {event.error.message}")
+        self.setdefault(index, []).extend(event.token_ids)
+
+    def raise_failed(self) -> None:
+        """A failed request would make its bench measure something else: stop with the engine's reason."""
+        if self.failures:
+            raise BenchError(
+                f"{len(self.failures)} benchmark request(s) failed; the first ({self.failures[0]})"
+            )
+
+
+def collect(engine, prompts: list[list[int]], params) -> Outputs:
+    """Add the prompts as requests; the returned ``Outputs`` fills with each request's tokens as they arrive."""
+    outputs = Outputs(len(prompts))
     for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, on_event=lambda event, out=outputs[i]: on_event(event, out))
+        engine.add_request(prompt, params, on_event=lambda event, i=i: outputs.record(i, event))
     return outputs
-
-
-def check(event) -> None:
-    """A failed request would make its bench measure something else: stop with the engine's reason."""
-    if event.error is not None:
-        raise BenchError(f"a benchmark request failed ({event.error.code}): {event.error.message}")

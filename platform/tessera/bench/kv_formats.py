@@ -141,6 +141,7 @@ def _run_batch(engine, prompts: list[list[int]], params) -> dict:
             decode_s += step_s
         previous = now
     elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    outputs.raise_failed()
     tokens = sum(map(len, outputs.values()))
     return {
         "tokens_per_s": tokens / elapsed,

@@ -1,0 +1,154 @@
+"""Every Triton kernel compiles for a Hopper GPU (sm_90), on the CPU, with the arguments its wrapper passes.
+
+tests/test_kernels.py checks what the kernels compute, under Triton's interpreter; the interpreter runs
+the kernel's Python and so accepts code the compiler rejects. The first H200 session found one: the FP8
+KV write read a module-level float inside the kernel, which the compiler refuses (a global must be a
+``tl.constexpr``), so FP8 KV on a GPU failed at its first write while every CPU test passed. Here each
+wrapper runs on CPU tensors with its kernels replaced by recorders; every distinct launch is then compiled
+ahead of time down to a cubin (Triton's own ptxas, no driver or GPU needed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
+from gpu_workers.kernels import (  # noqa: E402
+    fp8_linear_triton,
+    int4_linear_triton,
+    kv_write_triton,
+    paged_attention_triton,  # noqa: E402
+)
+from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
+MODULES = {
+    kv_write_triton: ["_write_kv_kernel"],
+    paged_attention_triton: ["_decode_split_kernel", "_merge_splits_kernel"],
+    fp8_linear_triton: ["_fp8_gemm_kernel"],
+    int4_linear_triton: ["_int4_gemm_kernel"],
+}
+
+
+class Recorder:
+    """Stands in for a jitted kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """The launches the wrappers make while the test runs, with the compiled paths chosen (not the
+    interpreter's fp32 dots)."""
+    recorded: list = []
+    monkeypatch.setenv("TESSERA_KERNELS", "triton")
+    for module, names in MODULES.items():
+        if hasattr(module, "interpreted"):
+            monkeypatch.setattr(module, "interpreted", lambda: False)
+        for name in names:
+            monkeypatch.setattr(module, name, Recorder(getattr(module, name), recorded))
+    return recorded
+
+
+def compile_for_hopper(kernel, args: tuple, kwargs: dict):
+    fn = JITFunction(kernel.fn)  # the kernel's Python, jitted afresh (the module's may be interpreted)
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
+    assert set(values) == set(fn.arg_names), (
+        f"{fn.__name__}: launched without {set(fn.arg_names) - set(values)}"
+    )
+    signature, constexprs = {}, {}
+    for name in fn.arg_names:
+        value = values[name]
+        if name in kwargs:
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            raise AssertionError(f"{fn.__name__}.{name}: a bool passed as a runtime argument")
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise AssertionError(f"{fn.__name__}.{name}: {type(value).__name__} is no kernel argument")
+    return triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options=options)
+
+
+def compile_all(launches: list) -> set[str]:
+    """Compile each distinct launch; the kernel names compiled."""
+    seen, names = set(), set()
+    for kernel, args, kwargs in launches:
+        key = (kernel.fn.__name__, tuple(_kind(a) for a in args), tuple(sorted(kwargs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = compile_for_hopper(kernel, args, kwargs)
+        assert compiled.asm["cubin"], f"{kernel.fn.__name__}: no cubin"
+        names.add(kernel.fn.__name__)
+    return names
+
+
+def _kind(value) -> object:
+    return value.dtype if isinstance(value, torch.Tensor) else type(value)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_write_and_paged_attention_compile_for_hopper(launches, kv_dtype, dtype):
+    # A step with decode rows and a prefill chunk, written and attended through a real cache, as a layer
+    # calls it; sliding windows too.
+    if dtype == torch.float32 and kv_dtype == torch.bfloat16:
+        kv_dtype = torch.float32
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64)
+    cache = KVCache(spec, num_pages=8, page_size=16, dtype=kv_dtype, device="cpu")
+    meta = AttentionMetadata.build([[0, 1], [2], [3, 4]], [20, 5, 17], [1, 5, 1], 16)
+    tokens = meta.num_tokens
+    q = torch.randn(tokens, 8, 64, dtype=dtype)
+    k, v = torch.randn(tokens, 2, 64, dtype=dtype), torch.randn(tokens, 2, 64, dtype=dtype)
+    for window in (None, 8):
+        PagedAttention(cache, meta)(0, q, k, v, scale=0.125, sliding_window=window)
+    assert compile_all(launches) == {"_write_kv_kernel", "_decode_split_kernel", "_merge_splits_kernel"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_gemms_compile_for_hopper(launches, dtype):
+    w = torch.randn(96, 256)
+    f8 = quantize_fp8_weight(w)
+    for symmetric in (False, True):
+        i4 = quantize_int4(w, 128, symmetric)
+        for m in (1, 24, 40, 80):  # each row-tile size of both kernels
+            x = torch.randn(m, 256, dtype=dtype)
+            bias = torch.randn(96, dtype=dtype) if symmetric else None
+            fp8_linear_triton.fp8_linear_triton(x, f8.weight, f8.weight_scale, bias)
+            int4_linear_triton.int4_linear_triton(
+                x, i4.weight_packed, i4.weight_scale, i4.weight_zero, 128, bias
+            )
+    i4 = quantize_int4(w, 48)  # groups narrower than a K step: per-column scales
+    int4_linear_triton.int4_linear_triton(
+        torch.randn(1, 256, dtype=dtype), i4.weight_packed, i4.weight_scale, i4.weight_zero, 48
+    )
+    assert compile_all(launches) == {"_fp8_gemm_kernel", "_int4_gemm_kernel"}
