@@ -4,7 +4,7 @@
 #   .whl/                 wheels of what `tessera`'s command line imports and the GPU image lacks (its python3
 #                         is 3.12 with torch, triton, safetensors, tokenizers, jinja2, rich, numpy, pytest), at
 #                         this venv's versions; the session installs them with --no-index. .whl/interp: a
-#                         NumPy below 2.5 for the interpreted kernel tests alone
+#                         NumPy below 2.4 for the interpreted kernel tests alone
 #   .tessera/gpu-session/corpus.pt   with --corpus only (default-model work: the session trains only where it
 #                         is carried): the trainer's tokenised corpus (--corpus-cache) with models/pycode-tiny's
 #                         tokenizer, so the GPU machine (another Python, another stdlib) trains on this one
@@ -33,11 +33,11 @@ PY
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "${pins[@]}"
-    # Triton 3.6's interpreter (the GPU image's) converts 1-element arrays with int(), which NumPy 2.5
+    # Triton 3.6's interpreter (the GPU image's) converts 1-element arrays with int(), which NumPy 2.4
     # refuses: the session's interpreted kernel tests run with this NumPy instead, in their own path.
     python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl/interp "numpy>=2.0,<2.5"
+        -d .whl/interp "numpy>=2.0,<2.4"
     echo "wheels: $(ls .whl | wc -l) in .whl ($(du -sh .whl | cut -f1)), $(ls .whl/interp) in .whl/interp"
 fi
 rm -f "$cache"

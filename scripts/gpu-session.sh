@@ -17,10 +17,12 @@
 #                could win
 #   tests        TESSERA_KERNELS=triton pytest tests/test_kernels.py (the interpreter, on this Triton), run on
 #                the CPUs alongside the GPU stages from the start, with the NumPy carried in .whl/interp
-#                where there is one (Triton 3.6's interpreter fails on NumPy 2.5)
+#                where there is one (Triton 3.6's interpreter fails on NumPy 2.4, seen on a CPU too)
 # Each stage runs under its own timeout, capped by what is left of the whole script's deadline
 # (TESSERA_GPU_DEADLINE_S, default 560 s), and writes OUT_DIR/<stage>.log (+ .json); OUT_DIR/summary.tsv
-# holds stage, rc, seconds, budget. `--smoke` shrinks every stage to run on a CPU in a few minutes.
+# holds stage, rc, seconds, budget. TESSERA_GPU_STAGES="a b ..." runs only the stages named (a rerun of
+# what failed: llama-1b and quantize where an engine stage is named); TESSERA_GPU_ENGINE_REPS=N sets every
+# engine stage's repetitions. `--smoke` shrinks every stage to run on a CPU in a few minutes.
 # Needs first (here, not there): bash scripts/gpu-prepare.sh. Nothing is fetched from the network.
 #
 # Usage: bash scripts/gpu-session.sh OUT_DIR [--smoke]
@@ -70,6 +72,7 @@ else
     engine_flags=(--device cuda --dtype bfloat16 --concurrency 1,8,16,32,64 --prompt-tokens 192 --max-tokens 64
         --kv-budget-bytes 8589934592)
     engine_reps=(2 1)  # bf16 weights (the KV comparison), then each quantised checkpoint
+    if [ -n "${TESSERA_GPU_ENGINE_REPS:-}" ]; then engine_reps=("$TESSERA_GPU_ENGINE_REPS" "$TESSERA_GPU_ENGINE_REPS"); fi
     # bf16 autocast, 2 minutes of steps (warmup-stable-decay sized to it), 32 x 2,048-token windows per step.
     train_flags=(--device cuda --bf16 --budget-minutes 2 --context 2048 --batch-size 32 --lr 2e-3
         --warmup-steps 20 --eval-every 500 --log-every 50)
@@ -206,6 +209,12 @@ export PYTHONUNBUFFERED=1
 # stderr to OUT_DIR/NAME.log; one summary row. Skipped when the deadline is too close.
 stage() {
     local name=$1 budget=$(($2 * scale)) start=$SECONDS rc
+    if [ -n "${TESSERA_GPU_STAGES:-}" ] && [[ " $TESSERA_GPU_STAGES " != *" $name "* ]]; then
+        case $name in
+        llama-1b | quantize) [[ " $TESSERA_GPU_STAGES " == *" engine-"* ]] || return 0 ;;  # engines need them
+        *) return 0 ;;
+        esac
+    fi
     local left=$((deadline - SECONDS - 5))
     if [ "$left" -lt 10 ]; then
         printf '%s\tskipped\t0\t0\n' "$name" >>"$summary"
@@ -235,9 +244,9 @@ else  # no default-model work this session: nothing carried to train on
     printf 'train\toff\t0\t0\n' >>"$summary"
 fi
 if stage llama-1b 60 "${mode[@]}" && stage quantize 75 "${mode[@]}"; then
-    stage engine-bf16-weights 70 "${mode[@]}"
-    stage engine-int4-weights 50 "${mode[@]}"
-    stage engine-fp8-weights 50 "${mode[@]}"
+    stage engine-bf16-weights 110 "${mode[@]}"
+    stage engine-int4-weights 60 "${mode[@]}"
+    stage engine-fp8-weights 60 "${mode[@]}"
     stage step-profile 60 "${mode[@]}"
 fi
 wait "$tests_pid"

@@ -10,15 +10,17 @@ ahead of time down to a cubin (Triton's own ptxas, no driver or GPU needed).
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
 from gpu_workers.kernels import (  # noqa: E402
@@ -29,7 +31,6 @@ from gpu_workers.kernels import (  # noqa: E402
 )
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
 TRITON_TYPES = {
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
@@ -64,6 +65,9 @@ def launches(monkeypatch) -> list:
     interpreter's fp32 dots)."""
     recorded: list = []
     monkeypatch.setenv("TESSERA_KERNELS", "triton")
+    # tests/test_kernels.py sets it for its process (pytest-xdist runs several files in one): the
+    # compiler would then generate the interpreter's code and fail on what a GPU compiles.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for module, names in MODULES.items():
         if hasattr(module, "interpreted"):
             monkeypatch.setattr(module, "interpreted", lambda: False)
@@ -72,16 +76,16 @@ def launches(monkeypatch) -> list:
     return recorded
 
 
-def compile_for_hopper(kernel, args: tuple, kwargs: dict):
-    fn = JITFunction(kernel.fn)  # the kernel's Python, jitted afresh (the module's may be interpreted)
+def describe(kernel, args: tuple, kwargs: dict) -> dict:
+    """A launch as what the compiler takes: signature, constexprs and options (JSON)."""
+    fn = kernel.fn
+    names = list(inspect.signature(fn).parameters)
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
-    values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
-    assert set(values) == set(fn.arg_names), (
-        f"{fn.__name__}: launched without {set(fn.arg_names) - set(values)}"
-    )
+    values = dict(zip(names, args, strict=False)) | kwargs
+    assert set(values) == set(names), f"{fn.__name__}: launched without {set(names) - set(values)}"
     signature, constexprs = {}, {}
-    for name in fn.arg_names:
+    for name in names:
         value = values[name]
         if name in kwargs:
             signature[name], constexprs[name] = "constexpr", value
@@ -95,25 +99,46 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict):
             signature[name] = "fp32"
         else:
             raise AssertionError(f"{fn.__name__}.{name}: {type(value).__name__} is no kernel argument")
-    return triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options=options)
+    return {
+        "module": fn.__module__,
+        "kernel": fn.__name__,
+        "signature": signature,
+        "constexprs": constexprs,
+        "options": options,
+    }
+
+
+# Run in a fresh interpreter: a process that has run kernels under TRITON_INTERPRET (tests/test_kernels.py,
+# in the same pytest-xdist worker) generates code the compiler then rejects.
+COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+for launch in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    source = ASTSource(fn, launch["signature"], launch["constexprs"])
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+    assert compiled.asm["cubin"], launch["kernel"]
+    print(launch["kernel"])
+"""
 
 
 def compile_all(launches: list) -> set[str]:
-    """Compile each distinct launch; the kernel names compiled."""
-    seen, names = set(), set()
-    for kernel, args, kwargs in launches:
-        key = (kernel.fn.__name__, tuple(_kind(a) for a in args), tuple(sorted(kwargs.items())))
-        if key in seen:
-            continue
-        seen.add(key)
-        compiled = compile_for_hopper(kernel, args, kwargs)
-        assert compiled.asm["cubin"], f"{kernel.fn.__name__}: no cubin"
-        names.add(kernel.fn.__name__)
-    return names
-
-
-def _kind(value) -> object:
-    return value.dtype if isinstance(value, torch.Tensor) else type(value)
+    """Compile each distinct launch for sm_90 down to a cubin; the kernel names compiled."""
+    distinct = {json.dumps(describe(*launch), sort_keys=True) for launch in launches}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE],
+        input="[" + ",".join(sorted(distinct)) + "]",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return set(done.stdout.split())
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])

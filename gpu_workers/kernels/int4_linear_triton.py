@@ -4,9 +4,9 @@ One program computes a [BLOCK_M, BLOCK_N] tile of x @ W.T over one split of the 
 loads a [BLOCK_K / 2, BLOCK_N] tile of packed bytes once and splits it into the low nibbles (even input
 columns) and the high ones (odd columns), each multiplied by x's matching columns: two ``tl.dot`` calls
 that together read every weight byte once. Decode batches (M <= 16) use 16-row tiles, the smallest
-``tl.dot`` shape: the weight bytes, not the arithmetic, bound them, so the K dimension is split until
-there are about two programs per SM (a 4096 x 4096 layer has only 64 column tiles), and a
-deterministic sum over the splits (no atomics: the same input gives the same bits) finishes the output.
+``tl.dot`` shape, and few output tiles (a 4096 x 4096 layer has 32 of 128 columns): the K dimension is
+split so that every SM gets programs, and a deterministic sum over the splits (no atomics: the same
+input gives the same bits) finishes the output.
 
 Measured on an H200 against the previous one-byte-per-column kernel in BENCHMARKS.md ("W4A16 on an H200").
 """
@@ -125,15 +125,18 @@ def _int4_gemm_kernel(
 
 
 def int4_tiles(m: int, n: int, k: int, group_size: int, device: torch.device) -> Int4Tiles:
-    """The launch for an [m, k] x [k, n] product: 16/32/64-row tiles by batch, 64 columns, K steps of 128
-    inputs (64 or 32 where the group size asks for it), and enough K splits (each at least one step) for
-    about two programs per SM."""
+    """The launch for an [m, k] x [k, n] product, from the H200 sweep (BENCHMARKS.md, "W4A16 on an
+    H200"): 16/32/64-row tiles by batch; 128 columns up to 32 rows, 64 above; K steps of 128 inputs (64
+    or 32 where the group size asks for it); K split 8 ways up to 32 rows and 4 above (each split at
+    least one step), unless the output tiles alone give every SM two programs. On a 4096 x 4096 layer
+    that choice was within 2% of the best of 15 tile widths and splits at 1, 8 and 32 rows, and within
+    5% on 4096 x 14336 and 14336 x 4096."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+    block_n = 128 if m <= 32 else 64
     block_k = next((b for b in (128, 64, 32) if group_size % b == 0), 64)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    split_k = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k), 16))
+    split_k = 1 if tiles >= 2 * sms else min(8 if m <= 32 else 4, triton.cdiv(k, block_k))
     return Int4Tiles(block_m, block_n, block_k, split_k)
 
 
