@@ -12,9 +12,9 @@
 #   llama-1b     a random ~1B-parameter Llama written at run time, then `tessera quantize` to fp8 and int4
 #   engine-*     tessera bench kv-formats: decode tok/s at 1/8/16/32/64 concurrent, BF16 vs FP8 KV, on the
 #                bf16, fp8 and int4 checkpoints (one budget that preempts nothing)
+#   engine-graphs the bf16 checkpoint's kv-formats run again with decode steps from CUDA graphs
 #   step-profile a decode step's wall time against its GPU kernel time and launches, bf16 1B model,
-#                BF16 / FP8 KV at 1, 32 and 64 concurrent (scripts/gpu_step_profile.py): what CUDA graphs
-#                could win
+#                BF16 / FP8 KV at 1 and 64 concurrent, eager and from CUDA graphs (gpu_step_profile.py)
 #   tests        TESSERA_KERNELS=triton pytest tests/test_kernels.py (the interpreter, on this Triton), run on
 #                the CPUs alongside the GPU stages from the start, with the NumPy carried in .whl/interp
 #                where there is one (Triton 3.6's interpreter fails on NumPy 2.4, seen on a CPU too)
@@ -58,7 +58,7 @@ if [ "$smoke" = 1 ]; then
     engine_reps=(1 1)
     train_flags=(--device cpu --steps 3 --eval-every 3 --context 128 --batch-size 16 --warmup-steps 1)
     tests=(tests/test_kernels.py -k "kv_write_bf16 or fp8_gemm")
-    profile_flags=(--device cpu --concurrency 1,4 --steps 3 --kv bf16)
+    profile_flags=(--device cpu --concurrency 1,4 --steps 3 --kv bf16 --cuda-graphs both)
     sweep_flags=(--device cpu --shape 256x128 --batch 1)
 else
     device=cuda
@@ -77,7 +77,7 @@ else
     train_flags=(--device cuda --bf16 --budget-minutes 2 --context 2048 --batch-size 32 --lr 2e-3
         --warmup-steps 20 --eval-every 500 --log-every 50)
     tests=(tests/test_kernels.py -n 6)
-    profile_flags=(--device cuda --concurrency 1,64 --steps 10)
+    profile_flags=(--device cuda --concurrency 1,64 --steps 10 --cuda-graphs both)
     sweep_flags=()
 fi
 
@@ -161,12 +161,13 @@ stage_quantize() {
         "${tessera[@]}" quantize "$scratch/llama" "$scratch/llama-int4" --weights int4
 }
 
-engine() {  # engine CHECKPOINT REPS JSON: decode tok/s per concurrency, BF16 vs FP8 KV
-    "${tessera[@]}" bench kv-formats --model "$1" --reps "$2" --json "${engine_flags[@]}" >"$3"
+engine() {  # engine CHECKPOINT REPS JSON [FLAG...]: decode tok/s per concurrency, BF16 vs FP8 KV
+    "${tessera[@]}" bench kv-formats --model "$1" --reps "$2" --json "${engine_flags[@]}" "${@:4}" >"$3"
 }
 stage_engine-bf16-weights() { engine "$scratch/llama" "${engine_reps[0]}" "$out/engine-bf16-weights.json"; }
 stage_engine-fp8-weights() { engine "$scratch/llama-fp8" "${engine_reps[1]}" "$out/engine-fp8-weights.json"; }
 stage_engine-int4-weights() { engine "$scratch/llama-int4" "${engine_reps[1]}" "$out/engine-int4-weights.json"; }
+stage_engine-graphs() { engine "$scratch/llama" "${engine_reps[1]}" "$out/engine-graphs.json" --cuda-graphs; }
 
 stage_step-profile() {
     "$py" scripts/gpu_step_profile.py "$scratch/llama" --json "$out/step-profile.json" "${profile_flags[@]}"
@@ -245,6 +246,7 @@ else  # no default-model work this session: nothing carried to train on
 fi
 if stage llama-1b 60 "${mode[@]}" && stage quantize 75 "${mode[@]}"; then
     stage engine-bf16-weights 110 "${mode[@]}"
+    stage engine-graphs 60 "${mode[@]}"
     stage engine-int4-weights 60 "${mode[@]}"
     stage engine-fp8-weights 60 "${mode[@]}"
     stage step-profile 60 "${mode[@]}"

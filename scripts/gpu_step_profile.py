@@ -7,8 +7,11 @@ records give the GPU's busy time per step and the number of kernels launched. A 
 the GPU busy for a small share of its wall time is bound by the host (Python, launches): that is the
 case CUDA graphs (one replay instead of hundreds of launches) are for.
 
+With ``--cuda-graphs both`` every row is measured twice, decode steps eager and replayed from CUDA graphs
+(``EngineConfig.cuda_graphs``), alternating.
+
 Usage: python scripts/gpu_step_profile.py MODEL_DIR [--concurrency 1,32,64] [--kv bf16,fp8_e4m3]
-       [--steps 20] [--device cuda] [--json OUT]
+       [--steps 20] [--device cuda] [--cuda-graphs off|on|both] [--json OUT]
 """
 
 from __future__ import annotations
@@ -37,22 +40,41 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16,fp8_e4m3")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cuda-graphs", choices=("off", "on", "both"), default="off")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     model = load_model(args.model, dtype=getattr(torch, dtype), device=args.device)
     tokenizer = load_tokenizer(args.model)
     rows = []
+    graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     for fmt in args.kv.split(","):
-        config = EngineConfig(
-            device=args.device, dtype=dtype, kv_cache_dtype=fmt, kv_budget_bytes=8 * 2**30, prefix_cache=False
-        )
-        engine = Engine(model, tokenizer, config)
+        engines = {
+            flag: Engine(
+                model,
+                tokenizer,
+                EngineConfig(
+                    device=args.device,
+                    dtype=dtype,
+                    kv_cache_dtype=fmt,
+                    kv_budget_bytes=4 * 2**30,
+                    prefix_cache=False,
+                    cuda_graphs=flag,
+                ),
+            )
+            for flag in graphs
+        }
         for n in map(int, args.concurrency.split(",")):
-            row = {"kv": fmt, "concurrency": n, **measure(engine, n, args.steps, args.device)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del engine
+            for flag, engine in engines.items():
+                row = {
+                    "kv": fmt,
+                    "concurrency": n,
+                    "cuda_graphs": flag,
+                    **measure(engine, n, args.steps, args.device),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del engines
     if args.json:
         args.json.write_text(json.dumps({"model": str(args.model), "results": rows}, indent=2) + "\n")
 

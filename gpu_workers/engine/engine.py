@@ -19,6 +19,7 @@ from gpu_workers.engine import admission
 from gpu_workers.engine.admission import Prompt
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.engine.failures import StepFailures
+from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.engine.params import (
     ENGINE_FAILED,
     EngineConfig,
@@ -70,6 +71,14 @@ class Engine:
         self.cache = KVCache(
             spec, num_pages, config.page_size, config.kv_dtype, config.device, config.kv_scales
         )
+        if config.cuda_graphs:  # the last page is the padded rows' scratch, never handed to a sequence
+            if num_pages < 2:
+                raise ValueError(
+                    f"kv_budget_bytes={config.kv_budget_bytes} holds one KV page; CUDA graphs keep one aside "
+                    "for padded rows: raise the budget"
+                )
+            num_pages -= 1
+            self.cache.scratch_page = num_pages
         self.pages = PageManager(
             num_pages,
             config.page_size,
@@ -78,7 +87,12 @@ class Engine:
         )
         self._salt_secret = config.prefix_cache_secret or os.urandom(32)
         self.scheduler = Scheduler(self.pages, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, config.device)
+        graphs = (
+            DecodeGraphs(model, self.cache, config.max_num_seqs, self.max_model_len, config.device)
+            if config.cuda_graphs
+            else None
+        )
+        self.runner = ModelRunner(model, self.cache, config.device, graphs)
         eos = set(model_config.eos_token_ids or [])
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
@@ -474,6 +488,10 @@ class Engine:
             "prefix_cache_pages": cache.num_cached if cache else 0,
             "prefix_cache_stale_entries": cache.stale_entries if cache else 0,
             "failed": self.failed is not None,
+            "cuda_graphs": self.config.cuda_graphs,
+            # decode steps served from static buffers, and of them replayed from a captured graph
+            "cuda_graph_steps": graphs.steps if (graphs := self.runner.graphs) is not None else 0,
+            "cuda_graph_replays": graphs.replays if graphs is not None else 0,
             **self._counters,
         }
 

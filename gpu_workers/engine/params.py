@@ -41,6 +41,9 @@ class EngineConfig:
     integrity_check: bool = True  # verify page generations before every step reads the cache
     prefix_cache: bool = True  # reuse full KV pages of a tenant's earlier prompts
     prefix_cache_secret: bytes | None = None  # keys tenant salts; None draws a random one per engine
+    # Decode steps replayed from CUDA graphs, one per batch-size bucket (engine/graphs.py); one KV page is
+    # kept aside for padded rows. Meant for CUDA; on a CPU the same static-buffer step runs eagerly.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

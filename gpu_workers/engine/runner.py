@@ -7,15 +7,19 @@ from collections.abc import Callable
 
 import torch
 
+from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.engine.scheduler import ScheduledBatch
 from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: str):
+    def __init__(
+        self, model: torch.nn.Module, cache: KVCache, device: str, graphs: DecodeGraphs | None = None
+    ):
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = graphs  # decode steps from CUDA graphs (EngineConfig.cuda_graphs)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
@@ -23,6 +27,8 @@ class ModelRunner:
 
         A row whose prompt chunk stops short of the end produces no logits this step.
         """
+        if self.graphs is not None and self.graphs.serves(batch):
+            return self.graphs.run(batch)
         input_ids: list[int] = []
         positions: list[int] = []
         context_lens: list[int] = []

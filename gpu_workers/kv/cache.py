@@ -93,6 +93,9 @@ class KVCache:
                 self.v_scale = self.k_scale
         # kernels.paged_attention_cpu.CacheLayer per layer, made on first use (host_layer)
         self._host_layers: list | None = None
+        # A page no sequence owns, where a CUDA-graph step's padded rows write (engine/graphs.py); set by the
+        # engine that keeps one aside. With it, opening FP8 pages needs no host sync.
+        self.scratch_page: int | None = None
 
     @staticmethod
     def page_bytes(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
@@ -203,7 +206,7 @@ class KVCache:
     ) -> None:
         """Set the dynamic scale of every page this write opens (writes slot 0 of)."""
         opens = slot_mapping % self.page_size == 0
-        if x.device.type == "cpu" and not bool(opens.any()):
+        if self.scratch_page is None and x.device.type == "cpu" and not bool(opens.any()):
             return  # most decode steps open no page (on a GPU the check would cost a sync, not save work)
         token_amax = x.detach().abs().amax(dim=(1, 2)).float()
         if spans is None:
@@ -215,6 +218,14 @@ class KVCache:
         seq_amax.scatter_reduce_(0, token_seq, token_amax, "amax")
         inherited = torch.where(prev_page >= 0, page_scale[prev_page.clamp_min(0)], 0.0)
         seq_scale = torch.maximum(inherited, fp8_scale_pow2(seq_amax))
+        if self.scratch_page is not None:
+            # Every token writes: an opening one its page's scale, the rest the scratch page's, which
+            # nothing reads. A masked write would read the mask's count back to the host (a sync that a
+            # CUDA graph cannot hold); a page is opened by one token of a step at most, so no two writes
+            # but the scratch page's collide.
+            target = torch.where(opens, pages, self.scratch_page)
+            page_scale.index_put_((target,), seq_scale[token_seq])
+            return
         page_scale[pages[opens]] = seq_scale[token_seq[opens]]
 
 

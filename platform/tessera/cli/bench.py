@@ -422,6 +422,12 @@ def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="where the model and the KV cache live (default cpu)"
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="replay decode steps from CUDA graphs (EngineConfig.cuda_graphs)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

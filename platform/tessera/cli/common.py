@@ -145,6 +145,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_dtype: str | None) 
         default=None,
         help="skip the per-step KV page integrity check",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="replay decode steps from CUDA graphs, one per batch-size bucket (for CUDA; keeps one KV page "
+        "aside)",
+    )
 
 
 ENGINE_FLAGS = (
@@ -155,6 +162,7 @@ ENGINE_FLAGS = (
     "kv_scales",
     "weights",
     "integrity_check",
+    "cuda_graphs",
 )
 
 
