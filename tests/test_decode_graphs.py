@@ -17,6 +17,7 @@ import torch
 from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec
+from tests.hf_models import save_tiny
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -64,6 +65,31 @@ def test_decode_from_static_buffers_gives_the_ordinary_steps_tokens(
     assert results[True] == results[False]
 
 
+def check_buffers(static: DecodeGraphs, batch) -> None:
+    """The static buffers hold what the ordinary step's metadata says for the batch's rows, and scratch
+    (one position on the scratch page, no previous page) for every padded row: no row left from an earlier,
+    larger batch."""
+    n, page_size = len(batch.seqs), static.cache.page_size
+    size = next(b for b in static.buckets if b >= n)
+    meta = AttentionMetadata.build(
+        [seq.table.pages for seq in batch.seqs],
+        [seq.num_computed + 1 for seq in batch.seqs],
+        [1] * n,
+        page_size,
+    )
+    width = meta.decode.block_tables.shape[1]
+    assert torch.equal(static.slots[:n], meta.slot_mapping)
+    assert torch.equal(static.prev_page[:n], meta.spans.prev_page)
+    assert torch.equal(static.lens[:n].long(), meta.decode.seq_lens)
+    assert torch.equal(static.tables[:n, :width].long(), meta.decode.block_tables)
+    assert torch.equal(
+        static.tables[:n, width:], static.tables[:n, width - 1 : width].expand(-1, static.width - width)
+    )
+    assert bool((static.slots[n:size] == static.scratch_slot).all())
+    assert bool((static.tables[n:size] == static.cache.scratch_page).all())
+    assert bool((static.lens[n:size] == 1).all()) and bool((static.prev_page[n:size] == -1).all())
+
+
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_every_static_step_computes_the_ordinary_steps_logits(
@@ -79,6 +105,7 @@ def test_every_static_step_computes_the_ordinary_steps_logits(
 
     def both(batch):
         rows, logits = DecodeGraphs.run(static, batch)
+        check_buffers(static, batch)
         runner.graphs = None
         try:
             ordinary_rows, ordinary = runner.run(batch)
@@ -114,6 +141,13 @@ def test_padded_rows_touch_only_the_scratch_page(tiny_llama_dir, monkeypatch):
     assert not torch.isnan(cache.k[:, :scratch]).any() and not torch.isnan(cache.v[:, :scratch]).any()
     assert all(o.error is None and len(o.token_ids) == 6 for o in two + three)
     assert three[0].token_ids == two[0].token_ids  # the same prompt, padded or not
+
+
+def test_models_that_read_tensors_back_to_the_host_refuse_cuda_graphs(tmp_path):
+    save_tiny("mixtral", tmp_path)  # MoE routing counts tokens per expert on the host
+    with pytest.raises(ValueError, match="cannot run decode steps from CUDA graphs"):
+        Engine.from_pretrained(tmp_path, EngineConfig(cuda_graphs=True))
+    assert Engine.from_pretrained(tmp_path, EngineConfig()).generate([[5, 6, 7]])[0].error is None
 
 
 def test_a_cache_of_one_page_cannot_keep_one_aside(tiny_llama_dir):

@@ -13,11 +13,17 @@ graph needs, and this provides:
   last page, as the ordinary step pads it, so no real row reads the scratch page;
 - no host sync inside: FP8 page scales are opened without a masked write (``KVCache._open_pages``).
 
-A bucket's graph is captured the first time a step needs it, right after an eager run of that step on
-the static buffers: the run compiles and warms up the kernels, and its logits are the step's. Steps with
-prefill chunks, or rows that do not sample this step, run the ordinary eager path. On a CPU nothing is
-captured: the static buffers run eagerly every time, which is how the tests check this path's tokens
-against the ordinary step's.
+Every bucket's graph is captured when the engine is built, before it serves: each bucket runs once
+eagerly on padded rows only (compiling and warming up the kernels, on a side stream as torch's graph
+documentation asks), then is captured; no other thread touches the device then, and a capture that fails
+fails the engine's construction, not a request. Steps with prefill chunks, or rows that do not sample
+this step, run the ordinary eager path. Only models whose forward never reads a tensor back to the host
+can be captured (``cuda_graph_safe``: not the MoE models, whose routing counts tokens per expert on the
+host). On a CPU nothing is captured: the static buffers run eagerly every time, which is how the tests
+check this path against the ordinary step.
+
+A graphed step's block tables are as wide as ``max_model_len``: the Triton decode kernel plans its K/V
+splits for that width, not for the batch's longest row (fewer programs at small batch and short context).
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ class DecodeGraphs:
             raise ValueError(
                 "a CUDA-graph decode step needs a scratch page in the cache (KVCache.scratch_page)"
             )
+        if not getattr(model, "cuda_graph_safe", False):
+            raise ValueError(
+                f"{type(model).__name__} cannot run decode steps from CUDA graphs: its forward reads tensors "
+                "back to the host (MoE routing); leave cuda_graphs off"
+            )
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
@@ -62,9 +73,10 @@ class DecodeGraphs:
         self.tables = buffer(cache.scratch_page, torch.int32, size, self.width)
         self.lens = buffer(1, torch.int32)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
         self.steps = 0  # decode steps served from the static buffers
         self.replays = 0  # of them, replayed from a captured graph
+        if self.device.type == "cuda":
+            self._capture_all()
 
     def serves(self, batch: ScheduledBatch) -> bool:
         """A decode-only step in which every row samples, of at most the largest bucket's rows."""
@@ -87,8 +99,6 @@ class DecodeGraphs:
             self.replays += 1
         else:
             logits = self._forward(size)
-            if self.device.type == "cuda":
-                self._capture(size)
         return list(range(n)), logits[:n].float().cpu()
 
     def _fill(self, batch: ScheduledBatch, size: int) -> None:
@@ -141,10 +151,22 @@ class DecodeGraphs:
         )
         return self.model.compute_logits(hidden)
 
-    def _capture(self, size: int) -> None:
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Warm up, then capture, every bucket, largest first (the smaller ones reuse its memory pool), on
+        padded rows only: every row reads and writes the scratch page."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for size in self.buckets:
+                self._forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(size)
-        self._pool = graph.pool()
-        self.graphs[size] = (graph, logits)
+        pool = None
+        for size in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)

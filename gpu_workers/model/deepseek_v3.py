@@ -200,6 +200,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """Same interface as ``LlamaForCausalLM``; the rotary tables cover the rope dims only, and the KV
     entry is the latent one."""
 
+    cuda_graph_safe = False  # routing reads expert counts back to the host (moe.py)
+
     layer_cls = DeepseekV3DecoderLayer
     # The latent option of an FP8 KV cache: False quantises the whole entry under the page scale; True
     # keeps the rope key in bf16 (the published FP8 MLA layout). Set it before the engine is built.

@@ -99,6 +99,8 @@ class Glm4MoeDecoderLayer(nn.Module):
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     """Same interface and KV entry as ``LlamaForCausalLM``; the rotary tables cover the rotated dims only."""
 
+    cuda_graph_safe = False  # routing reads expert counts back to the host (moe.py)
+
     layer_cls = Glm4MoeDecoderLayer
 
     def __init__(self, config: ModelConfig):

@@ -143,6 +143,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     layer_cls: type[nn.Module] = DecoderLayer
+    # A forward with no host sync and shapes fixed by its inputs' shapes: a decode step can be captured
+    # as a CUDA graph (engine/graphs.py). MoE layers read expert counts back to the host: not safe.
+    cuda_graph_safe: bool = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -75,4 +75,6 @@ class MixtralDecoderLayer(nn.Module):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Same interface as ``LlamaForCausalLM``; only the feed-forward differs."""
 
+    cuda_graph_safe = False  # routing reads expert counts back to the host (moe.py)
+
     layer_cls = MixtralDecoderLayer
