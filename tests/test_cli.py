@@ -224,6 +224,7 @@ def test_bench_engine_reports_both_systems_and_agrees_on_greedy_tokens(demo_mode
         assert row["engine_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0
         assert row["greedy_match"] == row["concurrency"]
     # Every linear of a step is in the GEMM baseline, packed for oneDNN or not: 4 layers x (q/k/v, o,
-    # gate/up, down) and the output projection.
+    # gate/up, down) and the output projection. The share itself is two timings of separate runs (the
+    # GEMMs replayed alone, the step): on a loaded machine it can exceed 1, so only its presence is checked.
     efficiency = report["decode_efficiency"]
-    assert efficiency["linears"] == 17 and 0 < efficiency["gemm_share_of_step"] < 1
+    assert efficiency["linears"] == 17 and efficiency["gemm_share_of_step"] > 0
