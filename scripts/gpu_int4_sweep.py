@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from gpu_workers.formats.weights import quantize_int4
 from gpu_workers.kernels.int4_linear_triton import int4_linear_triton, int4_tiles
-from gpu_workers.tools.kernel_bench import copies_for, time_ms
+from gpu_workers.tools.kernel_bench import rotated, time_ms
 
 # (in, out): Llama-3-8B's q/o projection, its gate/up, its down projection.
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
@@ -50,14 +50,12 @@ def main() -> None:
         q = quantize_int4(w, GROUP)
         stored = (q.weight_packed.to(device), q.weight_scale.to(device), q.weight_zero.to(device))
         int4_bytes = sum(t.numel() * t.element_size() for t in stored)
-        int4_copies = [stored] + [
-            tuple(t.clone() for t in stored) for _ in range(copies_for(int4_bytes, device) - 1)
-        ]
+        int4_copies = rotated(stored, device)
         w16 = w.to(device, torch.bfloat16)
-        bf16_copies = [w16] + [w16.clone() for _ in range(copies_for(w16.numel() * 2, device) - 1)]
+        bf16_copies = rotated((w16,), device)
         for m in map(int, args.batch.split(",")):
             x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
-            bf16_ms = time_ms([partial(F.linear, x, w) for w in bf16_copies], device, 20, eager=False)[0]
+            bf16_ms = time_ms([partial(F.linear, x, *c) for c in bf16_copies], device, 20, eager=False)[0]
 
             def int4_ms(fn, x=x, copies=int4_copies) -> float:
                 return time_ms([partial(fn, x, *c, GROUP) for c in copies], device, 20, eager=False)[0]

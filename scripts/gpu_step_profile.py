@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+from tessera.bench import kv
 from torch.profiler import ProfilerActivity, profile
 
-from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers import Engine, EngineConfig
 from gpu_workers.model import load_model
 from gpu_workers.tokenizer import load_tokenizer
 
@@ -82,22 +83,12 @@ def main() -> None:
 def measure(engine: Engine, n: int, steps: int, device: str) -> dict:
     rng = random.Random(n)
     vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=3 * steps + 16, temperature=0.0, ignore_eos=True)
-    produced = [0] * n
-    failures: list[str] = []
-
-    def count(event, i: int) -> None:  # the engine only logs what a callback raises: record, check below
-        if event.error is not None:
-            failures.append(f"request {i}: {event.error.code}: {event.error.message}")
-        produced[i] += len(event.token_ids)
-
-    for i in range(n):
-        prompt = [rng.randrange(16, vocab) for _ in range(PROMPT_TOKENS)]
-        engine.add_request(prompt, params, on_event=lambda event, i=i: count(event, i))
-    while min(produced) == 0 and not failures:  # every prompt prefilled: then one decode token a row a step
+    prompts = [kv.ids(rng, PROMPT_TOKENS, vocab) for _ in range(n)]
+    outputs = kv.collect(engine, prompts, kv.greedy(3 * steps + 16))
+    # Every prompt prefilled: from here on each step is one decode token a row.
+    while not all(outputs.values()) and not outputs.failures:
         engine.step()
-    if failures:
-        raise SystemExit(f"{len(failures)} requests failed; the first: {failures[0]}")
+    outputs.raise_failed()
     for _ in range(5):
         engine.step()
     wall = []

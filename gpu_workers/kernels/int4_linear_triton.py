@@ -127,11 +127,11 @@ def _int4_gemm_kernel(
 
 def int4_tiles(m: int, n: int, k: int, group_size: int, device: torch.device) -> Int4Tiles:
     """The launch for an [m, k] x [k, n] product, from the H200 sweep (BENCHMARKS.md, "W4A16: the
-    kernel rewritten"): 16/32/64-row tiles by batch; 128 columns up to 32 rows, 64 above; K steps of 128 inputs (64
-    or 32 where the group size asks for it); K split 8 ways up to 32 rows and 4 above (each split at
-    least one step), unless the output tiles alone give every SM two programs. On a 4096 x 4096 layer
-    that choice was within 2% of the best of 15 tile widths and splits at 1, 8 and 32 rows, and within
-    6% on 4096 x 14336 and 14336 x 4096."""
+    kernel rewritten"): 16/32/64-row tiles by batch; 128 columns up to 32 rows, 64 above; K steps of 128
+    inputs (64 or 32 where the group size asks for it); K split 8 ways up to 32 rows and 4 above (each
+    split at least one step), unless the output tiles alone give every SM two programs. On a 4096 x 4096
+    layer that choice was within 2% of the best of 15 tile widths and splits at 1, 8 and 32 rows, and
+    within 6% on 4096 x 14336 and 14336 x 4096."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 128 if m <= 32 else 64
     block_k = next((b for b in (128, 64, 32) if group_size % b == 0), 64)

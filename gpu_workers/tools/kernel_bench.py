@@ -1,10 +1,10 @@
 """Kernel benchmarks: weight GEMV/GEMM per weight format and batch, paged decode attention per KV format and
 context length, as time, achieved memory bandwidth and speedup over BF16.
 
-On CUDA the Triton kernels run, each timed twice: replayed from a CUDA graph
-(``triton.testing.do_bench_cudagraph``: the kernels' own time, what a decode step captured in a graph pays)
-and launched from Python (``do_bench``: what an eager step pays, launch overhead included, which for a
-batch-1 GEMV can exceed the kernel). Elsewhere the torch references run, timed by wall clock, and the
+On CUDA the Triton kernels run, each timed twice: a CUDA graph of calls over rotated copies of the
+operands, replayed (``time_ms``: the kernels' own time with operands from HBM, what a decode step captured
+in a graph pays), and one call launched from Python (``triton.testing.do_bench``: what an eager step pays,
+launch overhead included, which for a batch-1 GEMV can exceed the kernel). Elsewhere the torch references run, timed by wall clock, and the
 rows say so.
 """
 
@@ -67,9 +67,12 @@ def peak_gbs(device: torch.device) -> float | None:
 ROTATE_BYTES = 128 * 2**20
 
 
-def copies_for(nbytes: int, device: torch.device) -> int:
-    """How many copies of ``nbytes`` of operands a graph rotates through (one off the GPU)."""
-    return min(32, -(-ROTATE_BYTES // nbytes)) if device.type == "cuda" else 1
+def rotated(tensors: tuple[torch.Tensor, ...], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` and enough copies of them that a graph rotating through all reads ``ROTATE_BYTES`` (at
+    most 32 copies; only the originals off the GPU)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    count = min(32, -(-ROTATE_BYTES // nbytes)) if device.type == "cuda" else 1
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
 
 
 def time_ms(
@@ -145,11 +148,7 @@ def bench_gemm(
         "fp8": (f8.weight, f8.weight_scale),
         "int4": (i4.weight_packed, i4.weight_scale, i4.weight_zero),
     }
-    copies = {
-        fmt: [tensors]
-        + [tuple(t.clone() for t in tensors) for _ in range(copies_for(weight_bytes[fmt], device) - 1)]
-        for fmt, tensors in stored.items()
-    }
+    copies = {fmt: rotated(tensors, device) for fmt, tensors in stored.items()}
     kernels = {
         "bf16": lambda x, w: F.linear(x, w),
         "fp8": lambda x, w, scale: fp8_linear(x, w, scale),
@@ -219,8 +218,7 @@ def _attention_times(
     caches = {"bf16": (k, v), "fp8_e4m3": (k8, v8)}
     times = {}
     for fmt, (k_pages, v_pages) in caches.items():
-        n = copies_for(2 * k_pages.numel() * k_pages.element_size(), device)
-        pairs = [(k_pages, v_pages)] + [(k_pages.clone(), v_pages.clone()) for _ in range(n - 1)]
+        pairs = rotated((k_pages, v_pages), device)
         scales = (None, None) if fmt == "bf16" else (page_scale, page_scale)
         calls = [
             lambda kp=kp, vp=vp, scales=scales: paged_decode_attention(
