@@ -57,6 +57,12 @@ def cancel_key(request_id: str) -> str:
     return f"tessera:cancel:{request_id}"
 
 
+def lease_key(request_id: str) -> str:
+    """Redis string: the worker id of the one attempt serving the request. Its holder renews it every
+    heartbeat, so it exists exactly while a live worker serves the request (or a heartbeat TTL after it died)."""
+    return f"tessera:lease:{request_id}"
+
+
 def handoff_key(request_id: str) -> str:
     return f"tessera:kv:{request_id}"
 

@@ -32,6 +32,7 @@ from tessera.app import create_app
 from tessera.models import RequestRecord
 from tessera.settings import Settings
 
+from gpu_workers.pools.stream import RequestStream
 from gpu_workers.protocol import (
     STREAM_FIELD,
     TASK_PREFILL,
@@ -855,6 +856,68 @@ def test_a_dead_worker_fails_the_request_as_worker_lost(gw, monkeypatch):
     start = time.monotonic()
     assert_openai_error(gw.chat(), 503, "worker_lost")
     assert time.monotonic() - start < 5
+
+
+def test_a_request_is_not_lost_while_an_attempt_holds_its_lease_though_its_worker_left(gw, monkeypatch):
+    # A worker leaving its pool in a reload (entry removed) still serves what it began, renewing its leases.
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    served = reply()
+
+    def leave_then_finish(pools: FakePools, task: GenerateTask) -> None:
+        stream = RequestStream(pools.redis, task.request_id, "prefill-1")
+        assert stream.claim()
+        pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-1")
+        time.sleep(2.0)  # four TTLs without a token
+        served(pools, task)
+        stream.release()
+
+    gw.pools.script = leave_then_finish
+    response = gw.chat()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
+
+
+def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask], None] | None):
+    """The worker a request was routed to leaves before it begins the request; a peer is live."""
+    gw.pools.heartbeat(gw.model, "decode", "decode-1", age_s=-60)  # live for the whole test
+
+    def orphan(pools: FakePools, task: GenerateTask) -> None:
+        pools.heartbeat(gw.model, "prefill", "prefill-2", age_s=-60)
+        pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-1")
+        if then is not None:
+            then(pools, task)
+
+    gw.pools.script = orphan
+    try:
+        start = time.monotonic()
+        return gw.chat(), time.monotonic() - start
+    finally:
+        gw.pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-2")
+
+
+def test_a_request_requeued_to_a_live_peer_is_not_lost_before_the_peer_takes_it_up(gw, monkeypatch):
+    # The departing worker's queue goes to its pool; the peer begins the request after one TTL of quiet
+    # (the gateway's first check), before two.
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 2.0)
+    served = reply()
+
+    def peer_takes_it_up(pools: FakePools, task: GenerateTask) -> None:
+        time.sleep(3.0)
+        stream = RequestStream(pools.redis, task.request_id, "prefill-2")
+        assert stream.claim()
+        served(pools, task)
+        stream.release()
+
+    response, _ = _orphan_with_a_live_peer(gw, peer_takes_it_up)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
+
+
+def test_an_orphaned_request_nobody_takes_up_fails_as_worker_lost_though_peers_are_live(gw, monkeypatch):
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    response, elapsed_s = _orphan_with_a_live_peer(gw, None)
+    assert_openai_error(response, 503, "worker_lost")
+    assert 1.0 <= elapsed_s < 6  # two TTLs of quiet (the peers' chance), never the request's deadline
 
 
 # -- request records -------------------------------------------------------------------------------------------

@@ -301,7 +301,7 @@ def test_after_cancelled_and_timed_out_requests_nothing_is_in_flight(gw, monkeyp
     assert httpx.get(f"{gw.base}/v1/models", headers=auth(raw)).status_code == 200  # the key is cached
     with gw.heartbeating():
         timed_out, streams, gave_up = asyncio.run(campaign())
-    assert [r.status_code for r in timed_out] == [504] * n, timed_out[0].text
+    assert [r.status_code for r in timed_out] == [504] * n, {r.text for r in timed_out if r.status_code != 504}
     assert streams == [200] * n and gave_up == ["gave up"] * n
     # Settled, not expired: the leases would take 30 s to lapse on their own.
     assert wait_for(lambda: gw.in_flight(tenant_id) == 0, timeout_s=5)
@@ -521,7 +521,7 @@ def test_after_100_cancelled_and_100_timed_out_requests_on_two_api_processes_not
             timed_out, streams, gave_up = asyncio.run(campaign())
     finally:
         stack.pools.redis.delete(*unserved)
-    assert [r.status_code for r in timed_out] == [504] * n, timed_out[0].text
+    assert [r.status_code for r in timed_out] == [504] * n, {r.text for r in timed_out if r.status_code != 504}
     assert _ports(timed_out) == {int(u.rsplit(":", 1)[1]) for u in urls}
     assert streams == [200] * (n // 2) and gave_up == ["gave up"] * (n // 2)
     # Settled, not expired: the leases would take 30 s to lapse on their own.

@@ -7,8 +7,8 @@ import threading
 
 import redis
 
-from gpu_workers.pools.stream import LEASE_TTL_MS, lease_key
-from gpu_workers.protocol import STREAM_TTL_S
+from gpu_workers.pools.stream import LEASE_TTL_MS
+from gpu_workers.protocol import STREAM_TTL_S, lease_key
 
 
 def inflight_key(worker_id: str) -> str:

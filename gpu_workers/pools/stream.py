@@ -30,6 +30,7 @@ from gpu_workers.protocol import (
     STREAM_TTL_S,
     Event,
     cancel_key,
+    lease_key,
     stream_key,
 )
 
@@ -115,10 +116,6 @@ return 0
 
 class LeaseLost(RuntimeError):
     """Another attempt now owns the request; this one must stop without writing."""
-
-
-def lease_key(request_id: str) -> str:
-    return f"tessera:lease:{request_id}"
 
 
 @dataclass(frozen=True)

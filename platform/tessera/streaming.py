@@ -30,7 +30,15 @@ import anyio
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gpu_workers.protocol import HEARTBEAT_TTL_S, STREAM_FIELD, STREAM_TTL_S, Event, cancel_key, stream_key
+from gpu_workers.protocol import (
+    HEARTBEAT_TTL_S,
+    STREAM_FIELD,
+    STREAM_TTL_S,
+    Event,
+    cancel_key,
+    lease_key,
+    stream_key,
+)
 from tessera import routing
 from tessera.errors import APIError
 
@@ -233,6 +241,7 @@ class StreamReader:
     workers: tuple[tuple[str, str], ...]  # (pool, worker id) to watch for death while the stream is quiet
     heartbeat_ttl_s: float = HEARTBEAT_TTL_S
     client_gone: Callable[[], Awaitable[bool]] | None = None  # polled between reads (non-stream requests)
+    _orphaned_at: float | None = field(default=None, init=False, repr=False)  # see _worker_lost
 
     async def events(self) -> AsyncIterator[Event]:
         """Use under ``contextlib.aclosing`` so an early exit cancels the request on the worker at once."""
@@ -274,6 +283,7 @@ class StreamReader:
                     yield tokens
                 if entries:
                     last_event = time.monotonic()
+                    self._orphaned_at = None
                 elif self.client_gone is not None and await self.client_gone():
                     return
                 elif time.monotonic() - last_event > self.heartbeat_ttl_s and await self._worker_lost():
@@ -287,14 +297,29 @@ class StreamReader:
                 await cancel(self.redis, self.request_id)
 
     async def _worker_lost(self) -> bool:
+        """Whether nobody is left to serve the request, asked while its stream has been quiet a heartbeat TTL.
+
+        Not while an attempt holds its lease (the worker serving it renews that every heartbeat, also while
+        it drains out of its pool in a reload, and it lapses a TTL after that worker dies). Without a lease,
+        lost when a worker it was routed to is not live and its pool has no live worker either; with live
+        peers, only once a further TTL passed without one of them taking it up: a dead worker's peers
+        re-queue or fail what it left, a departing one hands its queue to its successor."""
         try:
+            if await self.redis.exists(lease_key(self.request_id)):
+                self._orphaned_at = None
+                return False
             for pool, worker_id in self.workers:
-                if not await routing.is_live(
-                    self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s
-                ):
+                if await routing.is_live(self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s):
+                    continue
+                if not await routing.live_workers(self.redis, self.deployment, pool, self.heartbeat_ttl_s):
                     return True
+                now = time.monotonic()
+                if self._orphaned_at is None:
+                    self._orphaned_at = now
+                return now - self._orphaned_at > self.heartbeat_ttl_s
         except RedisError:
             pass  # the next read reports Redis itself
+        self._orphaned_at = None
         return False
 
 
