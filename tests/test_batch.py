@@ -134,7 +134,7 @@ def test_polling_a_batch_still_waiting_says_queued_and_then_running(gw, account)
         release.wait(20)
         reply()(pools, task)
 
-    queue_name = worker_queue("prefill-1")
+    queue_name = worker_queue(gw.worker("prefill"))
     gw.pools.redis.rpush(queue_name, "waiting")  # interactive work waiting: the batch holds back
     try:
         batch_id = queued_id(queue(gw.client, account, gw.model, [{"prompt": "a"}, {"prompt": "b"}], gw.key))
@@ -292,7 +292,7 @@ def test_an_item_failing_for_good_is_not_retried(gw, account):
 def test_items_of_a_key_revoked_after_queueing_fail_without_running(gw, account):
     with gw.sessions() as session:
         key, secret = tenancy.create_key(session, "acme")
-    queue_name = worker_queue("prefill-1")
+    queue_name = worker_queue(gw.worker("prefill"))
     gw.pools.redis.rpush(queue_name, "waiting")  # hold the batch back until the key is revoked
     try:
         batch_id = queued_id(queue(gw.client, account, gw.model, [{"prompt": "a"}, {"prompt": "b"}], secret))
@@ -332,7 +332,7 @@ def test_quotas_are_checked_when_an_item_runs_and_a_429_leaves_it_queued(gw, acc
 
 
 def test_batch_items_wait_while_interactive_requests_queue_for_the_deployment(gw, account):
-    queue_name = worker_queue("prefill-1")
+    queue_name = worker_queue(gw.worker("prefill"))
     gw.pools.redis.rpush(queue_name, *["waiting"] * gw.settings.batch_max_queue_depth)
     try:
         batch_id = queued_id(queue(gw.client, account, gw.model, [{"prompt": "later"}], gw.key))

@@ -131,7 +131,9 @@ def stack(tmp_path_factory, demo_model_dir):
 @pytest.fixture
 def gw(stack):
     for pool in ("prefill", "decode"):
-        stack.pools.heartbeat(stack.model, pool, f"{pool}-1")
+        stack.pools.heartbeat(
+            stack.model, pool, f"{pool}-1-{stack.model.rsplit('-', 1)[1]}"
+        )  # its own queues
     stack.pools.script = reply()
     return stack
 

@@ -169,10 +169,15 @@ class Stack:
     def auth(self, key: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {key or self.key}"}
 
+    def worker(self, pool: str) -> str:
+        """The id of this stack's live worker of ``pool``: its own, so that test files running side by side on
+        one Redis never share a worker's queue (one filling it to its bound would refuse another's requests)."""
+        return f"{pool}-1-{self.model.rsplit('-', 1)[1]}"
+
     def live(self) -> None:
         for pool in ("prefill", "decode"):
-            self.pools.heartbeat(self.model, pool, f"{pool}-1")
-        self.pools.heartbeat(self.colocated, "serve", "serve-1")
+            self.pools.heartbeat(self.model, pool, self.worker(pool))
+        self.pools.heartbeat(self.colocated, "serve", self.worker("serve"))
 
     def chat(self, content: str = "Hi", **body):
         payload = {"model": self.model, "messages": [{"role": "user", "content": content}], **body}
@@ -594,13 +599,17 @@ def test_disaggregated_request_goes_to_a_prefill_worker_with_the_decode_workers_
     sent = gw.pools.sent[-1]
     assert (sent.name, sent.queue, sent.task.decode_queue) == (
         TASK_PREFILL,
-        worker_queue("prefill-1"),
-        worker_queue("decode-1"),
+        worker_queue(gw.worker("prefill")),
+        worker_queue(gw.worker("decode")),
     )
     payload = {"model": gw.colocated, "messages": _msgs()}
     assert gw.client.post("/v1/chat/completions", headers=gw.auth(), json=payload).status_code == 200
     sent = gw.pools.sent[-1]
-    assert (sent.name, sent.queue, sent.task.decode_queue) == (TASK_SERVE, worker_queue("serve-1"), None)
+    assert (sent.name, sent.queue, sent.task.decode_queue) == (
+        TASK_SERVE,
+        worker_queue(gw.worker("serve")),
+        None,
+    )
 
 
 def test_prompts_up_to_local_prefill_max_tokens_go_to_the_decode_worker_whole(gw, demo_model_dir):
@@ -850,7 +859,7 @@ def test_a_dead_worker_fails_the_request_as_worker_lost(gw, monkeypatch):
 
     def die(pools: FakePools, task: GenerateTask) -> None:
         pools.publish(task.request_id, Event(kind="token", token_ids=[1], text="a"))
-        pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-1")
+        pools.redis.hdel(workers_key(gw.model, "prefill"), gw.worker("prefill"))
 
     gw.pools.script = die
     start = time.monotonic()
@@ -864,9 +873,9 @@ def test_a_request_is_not_lost_while_an_attempt_holds_its_lease_though_its_worke
     served = reply()
 
     def leave_then_finish(pools: FakePools, task: GenerateTask) -> None:
-        stream = RequestStream(pools.redis, task.request_id, "prefill-1")
+        stream = RequestStream(pools.redis, task.request_id, gw.worker("prefill"))
         assert stream.claim()
-        pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-1")
+        pools.redis.hdel(workers_key(gw.model, "prefill"), gw.worker("prefill"))
         time.sleep(2.0)  # four TTLs without a token
         served(pools, task)
         stream.release()
@@ -879,11 +888,11 @@ def test_a_request_is_not_lost_while_an_attempt_holds_its_lease_though_its_worke
 
 def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask], None] | None):
     """The worker a request was routed to leaves before it begins the request; a peer is live."""
-    gw.pools.heartbeat(gw.model, "decode", "decode-1", age_s=-60)  # live for the whole test
+    gw.pools.heartbeat(gw.model, "decode", gw.worker("decode"), age_s=-60)  # live for the whole test
 
     def orphan(pools: FakePools, task: GenerateTask) -> None:
         pools.heartbeat(gw.model, "prefill", "prefill-2", age_s=-60)
-        pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-1")
+        pools.redis.hdel(workers_key(gw.model, "prefill"), gw.worker("prefill"))
         if then is not None:
             then(pools, task)
 
@@ -1020,7 +1029,7 @@ def test_readyz_waits_for_every_pool_a_model_needs(gw):
         "servable_models": 0,
     }
     assert "a prefill and a decode worker" in not_ready.json()["error"]["message"]
-    gw.pools.heartbeat(gw.model, "decode", "decode-1")
+    gw.pools.heartbeat(gw.model, "decode", gw.worker("decode"))
     ready = gw.client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["checks"]["servable_models"] == 1
 
@@ -1103,7 +1112,7 @@ def test_unreachable_redis_is_503_not_500(stack):
 
 
 def test_a_full_worker_queue_refuses_requests_and_reject_if_busy_makes_it_429(gw):
-    queue = worker_queue("prefill-1")  # where the disaggregated model's requests wait for prefill
+    queue = worker_queue(gw.worker("prefill"))  # where the disaggregated model's requests wait for prefill
     gw.pools.redis.delete(queue)
     gw.pools.redis.rpush(queue, *["waiting"] * gw.settings.max_queue_depth)
     try:

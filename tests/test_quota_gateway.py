@@ -70,9 +70,14 @@ class Stack:
         scope = Scope(quota_config.tenant_scope(tenant_id), Limits())
         return int(self.pools.redis.hget(scope.key("tpm:amounts"), "__total") or 0)
 
+    def worker(self, pool: str) -> str:
+        """The id of this stack's live worker of ``pool``: its own, so that test files running side by side on
+        one Redis never share a worker's queue (one filling it to its bound would refuse another's requests)."""
+        return f"{pool}-1-{self.model.rsplit('-', 1)[1]}"
+
     def live(self) -> None:
         for pool in ("prefill", "decode"):
-            self.pools.heartbeat(self.model, pool, f"{pool}-1")
+            self.pools.heartbeat(self.model, pool, self.worker(pool))
 
     @contextlib.contextmanager
     def heartbeating(self):
@@ -301,7 +306,9 @@ def test_after_cancelled_and_timed_out_requests_nothing_is_in_flight(gw, monkeyp
     assert httpx.get(f"{gw.base}/v1/models", headers=auth(raw)).status_code == 200  # the key is cached
     with gw.heartbeating():
         timed_out, streams, gave_up = asyncio.run(campaign())
-    assert [r.status_code for r in timed_out] == [504] * n, {r.text for r in timed_out if r.status_code != 504}
+    assert [r.status_code for r in timed_out] == [504] * n, {
+        r.text for r in timed_out if r.status_code != 504
+    }
     assert streams == [200] * n and gave_up == ["gave up"] * n
     # Settled, not expired: the leases would take 30 s to lapse on their own.
     assert wait_for(lambda: gw.in_flight(tenant_id) == 0, timeout_s=5)
@@ -514,14 +521,18 @@ def test_after_100_cancelled_and_100_timed_out_requests_on_two_api_processes_not
                 asyncio.gather(*timed_out), asyncio.gather(*hung_up), asyncio.gather(*gave_up)
             )
 
-    unserved = [worker_queue(f"{pool}-1") for pool in ("prefill", "decode")]  # nobody takes their tasks
+    unserved = [
+        worker_queue(stack.worker(pool)) for pool in ("prefill", "decode")
+    ]  # nobody takes their tasks
     stack.pools.redis.delete(*unserved)  # under the deployment's queue bound
     try:
         with stack.heartbeating():
             timed_out, streams, gave_up = asyncio.run(campaign())
     finally:
         stack.pools.redis.delete(*unserved)
-    assert [r.status_code for r in timed_out] == [504] * n, {r.text for r in timed_out if r.status_code != 504}
+    assert [r.status_code for r in timed_out] == [504] * n, {
+        r.text for r in timed_out if r.status_code != 504
+    }
     assert _ports(timed_out) == {int(u.rsplit(":", 1)[1]) for u in urls}
     assert streams == [200] * (n // 2) and gave_up == ["gave up"] * (n // 2)
     # Settled, not expired: the leases would take 30 s to lapse on their own.

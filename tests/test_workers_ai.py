@@ -272,7 +272,7 @@ def test_quotas_apply_as_on_v1_and_a_rejection_is_429_with_3036(gw):
 
 
 def test_reject_if_busy_in_options_is_429_with_3040_when_the_queue_is_full(gw, account):
-    queue = worker_queue("prefill-1")
+    queue = worker_queue(gw.worker("prefill"))
     gw.pools.redis.delete(queue)
     gw.pools.redis.rpush(queue, *["waiting"] * gw.settings.max_queue_depth)
     try:
