@@ -63,6 +63,12 @@ def lease_key(request_id: str) -> str:
     return f"tessera:lease:{request_id}"
 
 
+def inflight_key(worker_id: str) -> str:
+    """Redis hash: request id -> {"task": task name, "payload": GenerateTask JSON}: the requests a worker
+    has begun and not ended, which a peer finishes if the worker dies (``pools.inflight``)."""
+    return f"tessera:inflight:{worker_id}"
+
+
 def handoff_key(request_id: str) -> str:
     return f"tessera:kv:{request_id}"
 

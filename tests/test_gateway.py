@@ -41,6 +41,8 @@ from gpu_workers.protocol import (
     GenerateTask,
     WorkerInfo,
     cancel_key,
+    inflight_key,
+    lease_key,
     stream_key,
     worker_queue,
     workers_key,
@@ -867,9 +869,17 @@ def test_a_dead_worker_fails_the_request_as_worker_lost(gw, monkeypatch):
     assert time.monotonic() - start < 5
 
 
+def _live_for_the_test(gw: Stack) -> None:
+    """The stack's workers live for a minute, whatever the test's heartbeat TTL (a loaded machine's stall must
+    not make routing find none)."""
+    for pool in ("prefill", "decode"):
+        gw.pools.heartbeat(gw.model, pool, gw.worker(pool), age_s=-60)
+
+
 def test_a_request_is_not_lost_while_an_attempt_holds_its_lease_though_its_worker_left(gw, monkeypatch):
     # A worker leaving its pool in a reload (entry removed) still serves what it began, renewing its leases.
     monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    _live_for_the_test(gw)
     served = reply()
 
     def leave_then_finish(pools: FakePools, task: GenerateTask) -> None:
@@ -886,9 +896,71 @@ def test_a_request_is_not_lost_while_an_attempt_holds_its_lease_though_its_worke
     assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
 
 
+def test_a_request_whose_lease_lapsed_with_its_worker_gone_fails_as_worker_lost(gw, monkeypatch):
+    # The attempt's worker died (its lease is no longer renewed) and its pool has no other live worker.
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    _live_for_the_test(gw)
+
+    def die_holding_the_lease(pools: FakePools, task: GenerateTask) -> None:
+        pools.redis.set(lease_key(task.request_id), gw.worker("prefill"), px=1500)
+        pools.redis.hdel(workers_key(gw.model, "prefill"), gw.worker("prefill"))
+
+    gw.pools.script = die_holding_the_lease
+    start = time.monotonic()
+    assert_openai_error(gw.chat(), 503, "worker_lost")
+    assert 1.5 <= time.monotonic() - start < 6  # not before the lease lapsed, never the deadline
+
+
+def _prefill_then_gone(gw: Stack, ended: bool, then: Callable[[FakePools, GenerateTask], None] | None = None):
+    """The prefill worker streams its token, ends its part (its in-flight record dropped) or not, and leaves;
+    the decode worker stays live; ``then`` plays the decode side."""
+    _live_for_the_test(gw)
+
+    def prefill(pools: FakePools, task: GenerateTask) -> None:
+        worker = gw.worker("prefill")
+        if not ended:
+            pools.redis.hset(inflight_key(worker), task.request_id, "{}")
+        pools.publish(task.request_id, Event(kind="token", token_ids=[100], text="Hello", worker_id=worker))
+        pools.redis.hdel(workers_key(gw.model, "prefill"), worker)
+        if then is not None:
+            then(pools, task)
+
+    gw.pools.script = prefill
+    try:
+        start = time.monotonic()
+        return gw.chat(), time.monotonic() - start
+    finally:
+        gw.pools.redis.delete(inflight_key(gw.worker("prefill")))
+
+
+def test_a_prefill_worker_gone_after_its_part_does_not_fail_the_decode_that_follows(gw, monkeypatch):
+    # A reload (or a crash) of the prefill worker after its hand-off: the decode worker still serves it.
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+
+    def decode_later(pools: FakePools, task: GenerateTask) -> None:
+        time.sleep(2.0)  # four TTLs: waiting in a busy decode worker's queue
+        stream = RequestStream(pools.redis, task.request_id, gw.worker("decode"))
+        assert stream.claim()
+        pools.publish(task.request_id, Event(kind="token", token_ids=[101], text=" world", worker_id="d"))
+        usage = {"prompt_tokens": len(task.prompt_ids), "cached_tokens": 0, "completion_tokens": 2}
+        pools.publish(task.request_id, Event(kind="final", finish_reason="stop", usage=usage, worker_id="d"))
+        stream.release()
+
+    response, _ = _prefill_then_gone(gw, ended=True, then=decode_later)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello world"
+
+
+def test_a_prefill_worker_gone_in_the_middle_of_its_part_fails_the_request_as_worker_lost(gw, monkeypatch):
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    response, elapsed_s = _prefill_then_gone(gw, ended=False)
+    assert_openai_error(response, 503, "worker_lost")
+    assert elapsed_s < 6
+
+
 def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask], None] | None):
     """The worker a request was routed to leaves before it begins the request; a peer is live."""
-    gw.pools.heartbeat(gw.model, "decode", gw.worker("decode"), age_s=-60)  # live for the whole test
+    _live_for_the_test(gw)
 
     def orphan(pools: FakePools, task: GenerateTask) -> None:
         pools.heartbeat(gw.model, "prefill", "prefill-2", age_s=-60)
@@ -906,12 +978,12 @@ def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask]
 
 def test_a_request_requeued_to_a_live_peer_is_not_lost_before_the_peer_takes_it_up(gw, monkeypatch):
     # The departing worker's queue goes to its pool; the peer begins the request after one TTL of quiet
-    # (the gateway's first check), before two.
-    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 2.0)
+    # (the gateway's first check, at 3.0-3.5 s), well before two (6 s on).
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 3.0)
     served = reply()
 
     def peer_takes_it_up(pools: FakePools, task: GenerateTask) -> None:
-        time.sleep(3.0)
+        time.sleep(4.5)
         stream = RequestStream(pools.redis, task.request_id, "prefill-2")
         assert stream.claim()
         served(pools, task)

@@ -25,7 +25,7 @@ from gpu_workers import Engine, SamplingParams
 from gpu_workers.engine import StreamEvent
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.pools.heartbeat import Heartbeat
-from gpu_workers.pools.inflight import inflight_key
+from gpu_workers.pools.inflight import Inflight, inflight_key
 from gpu_workers.pools.messages import updated
 from gpu_workers.pools.stream import LeaseLost, RequestStream, StepWriter, Streamed, lease_key
 from gpu_workers.pools.tasks import TaskRunner
@@ -198,6 +198,22 @@ def test_an_attempt_begins_only_where_it_may_and_ends_what_it_began(client, name
     assert (begun.status, begun.events) == ("cut", 2)
     assert client.get(lease_key(handed)) == b"decode-2"
     assert not client.hexists(inflight_key("decode-2"), handed)
+
+
+def test_renew_extends_only_the_leases_the_worker_still_holds(client, namespace):
+    # A worker declared dead whose request a peer recovered may still track it: renewing the peer's lease
+    # would keep it alive past the peer's own death, and the gateway would wait on it until the deadline.
+    inflight = Inflight(client, f"{namespace}-renewer")
+    ours, taken = f"{namespace}-ours", f"{namespace}-taken"
+    client.set(lease_key(ours), inflight.worker_id, px=2_000)
+    client.set(lease_key(taken), f"{namespace}-peer", px=2_000)
+    for request_id in (ours, taken):
+        inflight.track(request_id)
+    inflight.renew()
+    assert client.pttl(lease_key(ours)) > 5_000  # renewed to LEASE_TTL_MS
+    assert 0 < client.pttl(lease_key(taken)) <= 2_000
+    assert client.get(lease_key(taken)) == f"{namespace}-peer".encode()
+    client.delete(lease_key(ours), lease_key(taken))
 
 
 # -- in-process: one TaskRunner on a real engine and real Redis ------------------------------------------

@@ -79,6 +79,11 @@ class Heartbeat:
         self._left.set()
         self.client.hdel(self.key, self.worker_id)
 
+    @property
+    def left(self) -> bool:
+        """Whether this worker left its pool (``leave``) and only keeps its upkeep running."""
+        return self._left.is_set()
+
     def beat(self) -> None:
         if not self._left.is_set():
             self.client.hset(self.key, self.worker_id, self.info().to_json())

@@ -8,18 +8,26 @@ import threading
 import redis
 
 from gpu_workers.pools.stream import LEASE_TTL_MS
-from gpu_workers.protocol import STREAM_TTL_S, lease_key
+from gpu_workers.protocol import STREAM_TTL_S, inflight_key, lease_key
 
-
-def inflight_key(worker_id: str) -> str:
-    """Redis hash: request id -> {"task": task name, "payload": GenerateTask JSON}."""
-    return f"tessera:inflight:{worker_id}"
+# KEYS: the leases of the requests a worker tracks, then its in-flight hash. ARGV: the worker's id, lease ttl ms,
+# hash ttl s. Extends only the leases the worker still holds: one another attempt took over (this worker was
+# declared dead and its request recovered) is that attempt's to keep alive, and must lapse when it dies.
+_RENEW = """
+for i = 1, #KEYS - 1 do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+end
+redis.call('EXPIRE', KEYS[#KEYS], ARGV[3])
+return 0
+"""
 
 
 class Inflight:
     def __init__(self, client: redis.Redis, worker_id: str):
         self.client = client
+        self.worker_id = worker_id
         self.key = inflight_key(worker_id)
+        self._renew = client.register_script(_RENEW)
         self._requests: set[str] = set()
         self._lock = threading.Lock()
 
@@ -42,16 +50,13 @@ class Inflight:
             self._requests.discard(request_id)
 
     def renew(self) -> None:
-        """Keep this worker's leases (and the registry) alive; called every heartbeat."""
+        """Keep the leases this worker still holds (and the registry) alive; called every heartbeat."""
         with self._lock:
             requests = list(self._requests)
         if not requests:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for request_id in requests:
-            pipe.pexpire(lease_key(request_id), LEASE_TTL_MS)
-        pipe.expire(self.key, STREAM_TTL_S)
-        pipe.execute()
+        keys = [lease_key(request_id) for request_id in requests] + [self.key]
+        self._renew(keys=keys, args=[self.worker_id, LEASE_TTL_MS, STREAM_TTL_S])
 
 
 def take_orphans(client: redis.Redis, worker_id: str) -> list[tuple[str, str]]:

@@ -36,6 +36,7 @@ from gpu_workers.protocol import (
     STREAM_TTL_S,
     Event,
     cancel_key,
+    inflight_key,
     lease_key,
     stream_key,
 )
@@ -242,6 +243,7 @@ class StreamReader:
     heartbeat_ttl_s: float = HEARTBEAT_TTL_S
     client_gone: Callable[[], Awaitable[bool]] | None = None  # polled between reads (non-stream requests)
     _orphaned_at: float | None = field(default=None, init=False, repr=False)  # see _worker_lost
+    _entries: int = field(default=0, init=False, repr=False)  # stream entries read so far
 
     async def events(self) -> AsyncIterator[Event]:
         """Use under ``contextlib.aclosing`` so an early exit cancels the request on the worker at once."""
@@ -283,6 +285,7 @@ class StreamReader:
                     yield tokens
                 if entries:
                     last_event = time.monotonic()
+                    self._entries += len(entries)
                     self._orphaned_at = None
                 elif self.client_gone is not None and await self.client_gone():
                     return
@@ -300,7 +303,8 @@ class StreamReader:
         """Whether nobody is left to serve the request, asked while its stream has been quiet a heartbeat TTL.
 
         Not while an attempt holds its lease (the worker serving it renews that every heartbeat, also while
-        it drains out of its pool in a reload, and it lapses a TTL after that worker dies). Without a lease,
+        it drains out of its pool in a reload, and it lapses a TTL after that worker dies), nor for a prefill
+        worker that streamed its token and ended its part (its in-flight record gone). Without a lease,
         lost when a worker it was routed to is not live and its pool has no live worker either; with live
         peers, only once a further TTL passed without one of them taking it up: a dead worker's peers
         re-queue or fail what it left, a departing one hands its queue to its successor."""
@@ -311,6 +315,12 @@ class StreamReader:
             for pool, worker_id in self.workers:
                 if await routing.is_live(self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s):
                     continue
+                if (
+                    pool == "prefill"
+                    and self._entries
+                    and not await self.redis.hexists(inflight_key(worker_id), self.request_id)
+                ):
+                    continue  # it streamed its token and ended its part: decode goes on without it
                 if not await routing.live_workers(self.redis, self.deployment, pool, self.heartbeat_ttl_s):
                     return True
                 now = time.monotonic()
@@ -318,7 +328,7 @@ class StreamReader:
                     self._orphaned_at = now
                 return now - self._orphaned_at > self.heartbeat_ttl_s
         except RedisError:
-            pass  # the next read reports Redis itself
+            return False  # the next read reports Redis itself; the wait for a peer goes on where it was
         self._orphaned_at = None
         return False
 
