@@ -71,11 +71,15 @@ class Engine:
         self.cache = KVCache(
             spec, num_pages, config.page_size, config.kv_dtype, config.device, config.kv_scales
         )
-        if config.cuda_graphs:  # the last page is the padded rows' scratch, never handed to a sequence
+        # The last page may be kept aside as a scratch page, never handed to a sequence: CUDA graphs' padded
+        # rows write there, and with it FP8 pages with dynamic scales open without a masked write, which on a
+        # GPU reads the mask's count back to the host (a sync per layer and tensor, every step).
+        opens_pages = self.cache.quantized and self.cache.static_scales is None
+        if config.cuda_graphs or (opens_pages and torch.device(config.device).type == "cuda"):
             if num_pages < 2:
                 raise ValueError(
-                    f"kv_budget_bytes={config.kv_budget_bytes} holds one KV page; CUDA graphs keep one aside "
-                    "for padded rows: raise the budget"
+                    f"kv_budget_bytes={config.kv_budget_bytes} holds one KV page; this engine keeps one aside "
+                    "(CUDA graphs' padded rows, FP8 pages opened without a host sync): raise the budget"
                 )
             num_pages -= 1
             self.cache.scratch_page = num_pages

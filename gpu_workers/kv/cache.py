@@ -93,8 +93,9 @@ class KVCache:
                 self.v_scale = self.k_scale
         # kernels.paged_attention_cpu.CacheLayer per layer, made on first use (host_layer)
         self._host_layers: list | None = None
-        # A page no sequence owns, where a CUDA-graph step's padded rows write (engine/graphs.py); set by the
-        # engine that keeps one aside. With it, opening FP8 pages needs no host sync.
+        # A page no sequence owns, where a CUDA-graph step's padded rows write (engine/graphs.py) and where a
+        # write's tokens that open no FP8 page put their scale; set by the engine that keeps one aside (CUDA
+        # graphs, or FP8 KV with dynamic scales on a GPU). With it, opening FP8 pages needs no host sync.
         self.scratch_page: int | None = None
 
     @staticmethod
