@@ -284,11 +284,12 @@ def test_quotas_for_tenants_and_key_overrides_share_the_service_layer(admin):
 def test_pools_reflect_worker_heartbeats_and_queue_lengths_in_redis(admin):
     r = redis.Redis.from_url(REDIS_URL)
     now = time.time()
+    tag = uuid.uuid4().hex[:8]  # worker ids of its own: another run on this Redis has its own queues
     for pool, worker_id, fmt, used, queried, hit, mismatches in (
-        ("prefill", "pf-1", "bf16", 10, 100, 40, 0),
-        ("decode", "dc-1", "fp8_e4m3", 30, 0, 0, 2),
-        ("decode", "dc-2", "fp8_e4m3", 5, 0, 0, 1),
-        ("decode", "dc-dead", "fp8_e4m3", 99, 0, 0, 9),  # heartbeat too old: not live, not counted
+        ("prefill", f"pf-1-{tag}", "bf16", 10, 100, 40, 0),
+        ("decode", f"dc-1-{tag}", "fp8_e4m3", 30, 0, 0, 2),
+        ("decode", f"dc-2-{tag}", "fp8_e4m3", 5, 0, 0, 1),
+        ("decode", f"dc-dead-{tag}", "fp8_e4m3", 99, 0, 0, 9),  # heartbeat too old: not live, not counted
     ):
         info = WorkerInfo(
             worker_id=worker_id,
@@ -297,7 +298,7 @@ def test_pools_reflect_worker_heartbeats_and_queue_lengths_in_redis(admin):
             queue=worker_queue(worker_id),
             host="test",
             pid=1,
-            last_seen=now - (3600 if worker_id == "dc-dead" else 0),
+            last_seen=now - (3600 if worker_id == f"dc-dead-{tag}" else 0),
             kv_pages_total=100,
             kv_pages_used=used,
             kv_format=fmt,
@@ -307,7 +308,7 @@ def test_pools_reflect_worker_heartbeats_and_queue_lengths_in_redis(admin):
         )
         r.hset(workers_key(admin.model, pool), worker_id, info.to_json())
     r.rpush(pool_queue(admin.model, "decode"), "m1", "m2")
-    r.rpush(worker_queue("dc-1"), "m3")
+    r.rpush(worker_queue(f"dc-1-{tag}"), "m3")
     try:
         body = admin.call("GET", "/admin/pools").json()
         pools = {p["pool"]: p for p in body["data"] if p["deployment"] == admin.model}
@@ -315,12 +316,15 @@ def test_pools_reflect_worker_heartbeats_and_queue_lengths_in_redis(admin):
         prefill, decode = pools["prefill"], pools["decode"]
         assert prefill["live_workers"] == 1 and prefill["prefix_cache_hit_rate"] == pytest.approx(0.4)
         assert prefill["kv_formats"] == ["bf16"] and prefill["queue_depth"] == 0
-        assert decode["live_workers"] == 2 and [w["worker_id"] for w in decode["workers"]] == ["dc-1", "dc-2"]
+        assert decode["live_workers"] == 2 and [w["worker_id"] for w in decode["workers"]] == [
+            f"dc-1-{tag}",
+            f"dc-2-{tag}",
+        ]
         assert decode["kv_pages_used"] == 35 and decode["kv_pages_total"] == 200
         assert decode["integrity_mismatches"] == 3 and decode["prefix_cache_hit_rate"] is None
         assert decode["queue_depth"] == 3 and decode["workers"][0]["queue_depth"] == 1
     finally:
-        r.delete(worker_queue("dc-1"), pool_queue(admin.model, "decode"))
+        r.delete(worker_queue(f"dc-1-{tag}"), pool_queue(admin.model, "decode"))
         for pool in ("prefill", "decode"):
             r.delete(workers_key(admin.model, pool))
 

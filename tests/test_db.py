@@ -711,8 +711,12 @@ def test_a_database_that_stops_answering_is_a_503_to_retry_not_a_500(
         _, key = tenancy.create_key(session, "acme")
     engine.dispose()
     name = make_url(postgres_url).database
-    settings = Settings(
-        data_dir=tmp_path, database_url=postgres_url, redis_url=redis_url, secret_key="s" * 48
+    settings = Settings(  # its own outcome stream: the default one may be a running platform's
+        data_dir=tmp_path,
+        database_url=postgres_url,
+        redis_url=redis_url,
+        secret_key="s" * 48,
+        records_stream=f"tessera:test:records:{uuid.uuid4().hex}",
     )
     auth = {"Authorization": f"Bearer {key}"}
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
