@@ -958,6 +958,27 @@ def test_a_prefill_worker_gone_in_the_middle_of_its_part_fails_the_request_as_wo
     assert elapsed_s < 6
 
 
+def test_a_request_whose_last_attempt_died_outside_every_pool_fails_as_worker_lost(gw, monkeypatch):
+    # A peer that took the request up (no router chose it) left its pool in a reload and then died mid-part:
+    # its lease lapses, no peer recovers it, while the workers the request was routed to stay live.
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    monkeypatch.setattr(gw.settings, "request_timeout_s", 8.0)
+    _live_for_the_test(gw)
+    peer = f"{gw.worker('prefill')}-peer"
+
+    def taken_up_then_gone(pools: FakePools, task: GenerateTask) -> None:
+        pools.redis.hset(inflight_key(peer), task.request_id, "{}")
+        pools.redis.set(lease_key(task.request_id), peer, px=1200)
+
+    gw.pools.script = taken_up_then_gone
+    start = time.monotonic()
+    try:
+        assert_openai_error(gw.chat(), 503, "worker_lost")  # before: the deadline (504)
+    finally:
+        gw.pools.redis.delete(inflight_key(peer))
+    assert 1.2 <= time.monotonic() - start < 6  # not while its lease lived
+
+
 def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask], None] | None):
     """The worker a request was routed to leaves before it begins the request; a peer is live."""
     _live_for_the_test(gw)

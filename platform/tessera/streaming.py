@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from gpu_workers.protocol import (
     HEARTBEAT_TTL_S,
+    POOLS,
     STREAM_FIELD,
     STREAM_TTL_S,
     Event,
@@ -244,6 +245,7 @@ class StreamReader:
     client_gone: Callable[[], Awaitable[bool]] | None = None  # polled between reads (non-stream requests)
     _orphaned_at: float | None = field(default=None, init=False, repr=False)  # see _worker_lost
     _entries: int = field(default=0, init=False, repr=False)  # stream entries read so far
+    _holder: str | None = field(default=None, init=False, repr=False)  # the last attempt seen with the lease
 
     async def events(self) -> AsyncIterator[Event]:
         """Use under ``contextlib.aclosing`` so an early exit cancels the request on the worker at once."""
@@ -305,31 +307,48 @@ class StreamReader:
         Not while an attempt holds its lease (the worker serving it renews that every heartbeat, also while
         it drains out of its pool in a reload, and it lapses a TTL after that worker dies), nor for a prefill
         worker that streamed its token and ended its part (its in-flight record gone). Without a lease,
-        lost when a worker it was routed to is not live and its pool has no live worker either; with live
-        peers, only once a further TTL passed without one of them taking it up: a dead worker's peers
-        re-queue or fail what it left, a departing one hands its queue to its successor."""
+        lost at once when a worker it was routed to is not live and that pool has no live worker either.
+        Otherwise suspect, and lost once a further TTL passes without a lease: a routed worker gone while its
+        pool has live peers (a dead worker's peers re-queue or fail what it left, a departing one hands its
+        queue to its successor), or the last attempt seen holding the lease, when no router chose it (a peer
+        took the request up), it is live in no pool and still records the request in flight (it died, maybe
+        after leaving its pool, where no peer recovers it)."""
         try:
-            if await self.redis.exists(lease_key(self.request_id)):
+            holder = await self.redis.get(lease_key(self.request_id))
+            if holder is not None:
+                self._holder = holder.decode()
                 self._orphaned_at = None
                 return False
+            suspect = False
             for pool, worker_id in self.workers:
                 if await routing.is_live(self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s):
                     continue
-                if (
-                    pool == "prefill"
-                    and self._entries
-                    and not await self.redis.hexists(inflight_key(worker_id), self.request_id)
-                ):
+                if pool == "prefill" and self._entries and not await self._serving(worker_id):
                     continue  # it streamed its token and ended its part: decode goes on without it
                 if not await routing.live_workers(self.redis, self.deployment, pool, self.heartbeat_ttl_s):
                     return True
-                now = time.monotonic()
-                if self._orphaned_at is None:
-                    self._orphaned_at = now
-                return now - self._orphaned_at > self.heartbeat_ttl_s
+                suspect = True
+                break
+            if not suspect and self._holder is not None and self._holder not in (w for _, w in self.workers):
+                suspect = await self._serving(self._holder) and not await self._live_anywhere(self._holder)
         except RedisError:
             return False  # the next read reports Redis itself; the wait for a peer goes on where it was
-        self._orphaned_at = None
+        if not suspect:
+            self._orphaned_at = None
+            return False
+        now = time.monotonic()
+        if self._orphaned_at is None:
+            self._orphaned_at = now
+        return now - self._orphaned_at > self.heartbeat_ttl_s
+
+    async def _serving(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` still records this request in flight (begun and not ended)."""
+        return bool(await self.redis.hexists(inflight_key(worker_id), self.request_id))
+
+    async def _live_anywhere(self, worker_id: str) -> bool:
+        for pool in POOLS:
+            if await routing.is_live(self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s):
+                return True
         return False
 
 
