@@ -43,6 +43,7 @@ from gpu_workers.protocol import (
     cancel_key,
     inflight_key,
     lease_key,
+    pool_queue,
     stream_key,
     worker_queue,
     workers_key,
@@ -857,15 +858,22 @@ def test_a_request_never_outlives_its_deadline(gw, monkeypatch):
 
 
 def test_a_dead_worker_fails_the_request_as_worker_lost(gw, monkeypatch):
+    # The prefill worker dies in the middle of its part (the request still in flight there), its pool has no
+    # other worker, the decode worker is live.
     monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    _live_for_the_test(gw)
 
     def die(pools: FakePools, task: GenerateTask) -> None:
+        pools.redis.hset(inflight_key(gw.worker("prefill")), task.request_id, "{}")
         pools.publish(task.request_id, Event(kind="token", token_ids=[1], text="a"))
         pools.redis.hdel(workers_key(gw.model, "prefill"), gw.worker("prefill"))
 
     gw.pools.script = die
     start = time.monotonic()
-    assert_openai_error(gw.chat(), 503, "worker_lost")
+    try:
+        assert_openai_error(gw.chat(), 503, "worker_lost")
+    finally:
+        gw.pools.redis.delete(inflight_key(gw.worker("prefill")))
     assert time.monotonic() - start < 5
 
 
@@ -958,17 +966,20 @@ def test_a_prefill_worker_gone_in_the_middle_of_its_part_fails_the_request_as_wo
     assert elapsed_s < 6
 
 
-def test_a_request_whose_last_attempt_died_outside_every_pool_fails_as_worker_lost(gw, monkeypatch):
-    # A peer that took the request up (no router chose it) left its pool in a reload and then died mid-part:
-    # its lease lapses, no peer recovers it, while the workers the request was routed to stay live.
+@pytest.mark.parametrize("lease_ms", [300, 3000])
+def test_a_request_whose_last_attempt_died_outside_every_pool_fails_as_worker_lost(gw, monkeypatch, lease_ms):
+    # A peer that took the request up (no router chose it) streamed a token, left its pool in a reload and
+    # died mid-part: its lease lapses (300 ms: before the gateway's first look at the quiet stream, so only the
+    # token names it), no peer recovers it, and the workers the request was routed to stay live.
     monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
-    monkeypatch.setattr(gw.settings, "request_timeout_s", 8.0)
+    monkeypatch.setattr(gw.settings, "request_timeout_s", 10.0)
     _live_for_the_test(gw)
     peer = f"{gw.worker('prefill')}-peer"
 
     def taken_up_then_gone(pools: FakePools, task: GenerateTask) -> None:
         pools.redis.hset(inflight_key(peer), task.request_id, "{}")
-        pools.redis.set(lease_key(task.request_id), peer, px=1200)
+        pools.redis.set(lease_key(task.request_id), peer, px=lease_ms)
+        pools.publish(task.request_id, Event(kind="token", token_ids=[1], text="a", worker_id=peer))
 
     gw.pools.script = taken_up_then_gone
     start = time.monotonic()
@@ -976,7 +987,31 @@ def test_a_request_whose_last_attempt_died_outside_every_pool_fails_as_worker_lo
         assert_openai_error(gw.chat(), 503, "worker_lost")  # before: the deadline (504)
     finally:
         gw.pools.redis.delete(inflight_key(peer))
-    assert 1.2 <= time.monotonic() - start < 6  # not while its lease lived
+    assert lease_ms / 1000 <= time.monotonic() - start < 8  # not while its lease lived
+
+
+def test_a_request_requeued_behind_others_waits_for_a_busy_peer(gw, monkeypatch):
+    # Its routed worker left and handed its queue to the pool, where the request waits behind others: the
+    # peers are live but busy, so no lease for many TTLs, and still not lost.
+    monkeypatch.setattr(gw.settings, "worker_heartbeat_ttl_s", 0.5)
+    served = reply()
+    queue = pool_queue(gw.model, "prefill")
+
+    def busy_peer(pools: FakePools, task: GenerateTask) -> None:
+        pools.redis.rpush(queue, "another request")
+        time.sleep(2.5)  # five TTLs
+        pools.redis.delete(queue)
+        stream = RequestStream(pools.redis, task.request_id, "prefill-2")
+        assert stream.claim()
+        served(pools, task)
+        stream.release()
+
+    try:
+        response, _ = _orphan_with_a_live_peer(gw, busy_peer)
+    finally:
+        gw.pools.redis.delete(queue)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
 
 
 def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask], None] | None):

@@ -27,12 +27,13 @@ from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.pools.heartbeat import Heartbeat
 from gpu_workers.pools.inflight import Inflight, inflight_key
 from gpu_workers.pools.messages import updated
-from gpu_workers.pools.stream import LeaseLost, RequestStream, StepWriter, Streamed, lease_key
+from gpu_workers.pools.stream import LEASE_TTL_MS, LeaseLost, RequestStream, StepWriter, Streamed, lease_key
 from gpu_workers.pools.tasks import TaskRunner
 from gpu_workers.pools.worker import EXIT_ENGINE_FAILED, SECRET_ENV, engine_config
 from gpu_workers.protocol import (
     HEARTBEAT_TTL_S,
     STREAM_FIELD,
+    STREAM_TTL_S,
     TASK_DECODE,
     TASK_PREFILL,
     TASK_SERVE,
@@ -205,15 +206,17 @@ def test_renew_extends_only_the_leases_the_worker_still_holds(client, namespace)
     # would keep it alive past the peer's own death, and the gateway would wait on it until the deadline.
     inflight = Inflight(client, f"{namespace}-renewer")
     ours, taken = f"{namespace}-ours", f"{namespace}-taken"
-    client.set(lease_key(ours), inflight.worker_id, px=2_000)
-    client.set(lease_key(taken), f"{namespace}-peer", px=2_000)
+    client.set(lease_key(ours), inflight.worker_id, px=60_000)
+    client.set(lease_key(taken), f"{namespace}-peer", px=60_000)
+    client.hset(inflight.key, ours, "{}")
     for request_id in (ours, taken):
         inflight.track(request_id)
     inflight.renew()
-    assert client.pttl(lease_key(ours)) > 5_000  # renewed to LEASE_TTL_MS
-    assert 0 < client.pttl(lease_key(taken)) <= 2_000
+    assert client.pttl(lease_key(ours)) <= LEASE_TTL_MS < 60_000  # set to the lease TTL: renewed
+    assert client.pttl(lease_key(taken)) > LEASE_TTL_MS  # untouched
     assert client.get(lease_key(taken)) == f"{namespace}-peer".encode()
-    client.delete(lease_key(ours), lease_key(taken))
+    assert 0 < client.ttl(inflight.key) <= STREAM_TTL_S  # the registry kept alive too
+    client.delete(lease_key(ours), lease_key(taken), inflight.key)
 
 
 # -- in-process: one TaskRunner on a real engine and real Redis ------------------------------------------

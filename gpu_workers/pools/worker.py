@@ -172,8 +172,8 @@ def run_worker(
         runner.inflight.renew()
         store.sweep()
         if draining.is_set():
-            if heartbeat.left:  # out of the pool: what a router queued for it as it left goes to a peer
-                runner.requeue_worker_queue(worker_id)
+            if heartbeat.left and client.llen(worker_queue(worker_id)):
+                runner.requeue_worker_queue(worker_id)  # out of the pool: what a router queued as it left
             return
         if watch.current():
             stale.clear()  # changed back before it drained

@@ -39,6 +39,7 @@ from gpu_workers.protocol import (
     cancel_key,
     inflight_key,
     lease_key,
+    pool_queue,
     stream_key,
 )
 from tessera import routing
@@ -273,6 +274,8 @@ class StreamReader:
                 tokens: Event | None = None
                 for _, fields in entries:
                     event = decode_entry(fields)
+                    if event.worker_id:  # its writer held the lease when it wrote (see _worker_lost)
+                        self._holder = event.worker_id
                     if event.kind == "token":
                         tokens = event if tokens is None else _joined(tokens, event)
                         continue
@@ -309,10 +312,11 @@ class StreamReader:
         worker that streamed its token and ended its part (its in-flight record gone). Without a lease,
         lost at once when a worker it was routed to is not live and that pool has no live worker either.
         Otherwise suspect, and lost once a further TTL passes without a lease: a routed worker gone while its
-        pool has live peers (a dead worker's peers re-queue or fail what it left, a departing one hands its
-        queue to its successor), or the last attempt seen holding the lease, when no router chose it (a peer
-        took the request up), it is live in no pool and still records the request in flight (it died, maybe
-        after leaving its pool, where no peer recovers it)."""
+        pool has live peers and an empty pool queue (a dead worker's peers re-queue or fail what it left, a
+        departing one hands its queue to its pool, where a busy peer may take a while), or the last attempt
+        seen holding the lease or writing the stream, when no router chose it (a peer took the request up),
+        it is live in no pool and still records the request in flight (it died, maybe after leaving its
+        pool, where no peer recovers it)."""
         try:
             holder = await self.redis.get(lease_key(self.request_id))
             if holder is not None:
@@ -327,6 +331,8 @@ class StreamReader:
                     continue  # it streamed its token and ended its part: decode goes on without it
                 if not await routing.live_workers(self.redis, self.deployment, pool, self.heartbeat_ttl_s):
                     return True
+                if await self.redis.llen(pool_queue(self.deployment, pool)):
+                    continue  # handed to the pool's queue, it may wait there for a busy peer
                 suspect = True
                 break
             if not suspect and self._holder is not None and self._holder not in (w for _, w in self.workers):
