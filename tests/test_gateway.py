@@ -27,7 +27,7 @@ import pytest
 import redis
 import uvicorn
 from fastapi.testclient import TestClient
-from tessera import db, records, routing, tenancy
+from tessera import db, records, routing, streaming, tenancy
 from tessera.app import create_app
 from tessera.models import RequestRecord
 from tessera.settings import Settings
@@ -1012,6 +1012,16 @@ def test_a_request_requeued_behind_others_waits_for_a_busy_peer(gw, monkeypatch)
         gw.pools.redis.delete(queue)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
+
+
+def test_a_quiet_stream_is_checked_for_a_lost_worker_at_most_every_quarter_ttl():
+    reader = streaming.StreamReader(None, "req_x", "@test/m", time.time() + 60, (), heartbeat_ttl_s=8.0)
+    now = time.monotonic()
+    assert not reader._quiet_check_due(last_event=now - 7.5)  # not quiet for a TTL yet
+    assert reader._quiet_check_due(last_event=now - 9.0)
+    assert not reader._quiet_check_due(last_event=now - 9.0)  # asked just now
+    reader._checked_at -= 2.1  # a quarter TTL later
+    assert reader._quiet_check_due(last_event=now - 11.0)
 
 
 def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask], None] | None):

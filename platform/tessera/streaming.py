@@ -247,6 +247,7 @@ class StreamReader:
     _orphaned_at: float | None = field(default=None, init=False, repr=False)  # see _worker_lost
     _entries: int = field(default=0, init=False, repr=False)  # stream entries read so far
     _holder: str | None = field(default=None, init=False, repr=False)  # the last attempt seen with the lease
+    _checked_at: float = field(default=0.0, init=False, repr=False)  # monotonic time of the last quiet check
 
     async def events(self) -> AsyncIterator[Event]:
         """Use under ``contextlib.aclosing`` so an early exit cancels the request on the worker at once."""
@@ -294,7 +295,7 @@ class StreamReader:
                     self._orphaned_at = None
                 elif self.client_gone is not None and await self.client_gone():
                     return
-                elif time.monotonic() - last_event > self.heartbeat_ttl_s and await self._worker_lost():
+                elif self._quiet_check_due(last_event) and await self._worker_lost():
                     yield _failure(
                         "worker_lost", "the worker serving this request stopped; retry the request"
                     )
@@ -303,6 +304,15 @@ class StreamReader:
             subscription.close()
             if not finished:
                 await cancel(self.redis, self.request_id)
+
+    def _quiet_check_due(self, last_event: float) -> bool:
+        """Whether to ask ``_worker_lost`` now: the stream quiet a heartbeat TTL, and a quarter TTL since the
+        last time (each asking costs a few Redis reads; a queue of quiet requests would repeat them per read)."""
+        now = time.monotonic()
+        if now - last_event <= self.heartbeat_ttl_s or now - self._checked_at < self.heartbeat_ttl_s / 4:
+            return False
+        self._checked_at = now
+        return True
 
     async def _worker_lost(self) -> bool:
         """Whether nobody is left to serve the request, asked while its stream has been quiet a heartbeat TTL.
