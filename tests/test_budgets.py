@@ -25,7 +25,7 @@ from tessera.cli.quotas import parse_usd
 from tessera.models import SCOPE_ADMIN
 from tessera.quotas import Limits, Quotas, Scope, usd
 from tessera.settings import Settings
-from test_gateway import FakePools, fail, reply, wait_for
+from test_gateway import FakePools, fail, reply, stack_worker, wait_for
 
 import billing
 from billing import LedgerEvent, PriceSpec
@@ -131,9 +131,7 @@ def stack(tmp_path_factory, demo_model_dir):
 @pytest.fixture
 def gw(stack):
     for pool in ("prefill", "decode"):
-        stack.pools.heartbeat(
-            stack.model, pool, f"{pool}-1-{stack.model.rsplit('-', 1)[1]}"
-        )  # its own queues
+        stack.pools.heartbeat(stack.model, pool, stack_worker(stack.model, pool))
     stack.pools.script = reply()
     return stack
 

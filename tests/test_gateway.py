@@ -155,6 +155,13 @@ def silent(pools: FakePools, task: GenerateTask) -> None:
     pass
 
 
+def stack_worker(model: str, pool: str) -> str:
+    """The id of a test stack's live worker of ``pool`` (its model ends in a random suffix): its own, so that
+    test files running side by side on one Redis never share a worker's queue (one filling it to its bound
+    would refuse another's requests)."""
+    return f"{pool}-1-{model.rsplit('-', 1)[1]}"
+
+
 @dataclass
 class Stack:
     settings: Settings
@@ -173,9 +180,7 @@ class Stack:
         return {"Authorization": f"Bearer {key or self.key}"}
 
     def worker(self, pool: str) -> str:
-        """The id of this stack's live worker of ``pool``: its own, so that test files running side by side on
-        one Redis never share a worker's queue (one filling it to its bound would refuse another's requests)."""
-        return f"{pool}-1-{self.model.rsplit('-', 1)[1]}"
+        return stack_worker(self.model, pool)
 
     def live(self) -> None:
         for pool in ("prefill", "decode"):
@@ -877,6 +882,13 @@ def test_a_dead_worker_fails_the_request_as_worker_lost(gw, monkeypatch):
     assert time.monotonic() - start < 5
 
 
+def _timed_chat(gw: Stack) -> tuple[httpx.Response, float]:
+    """The response to a chat request and the seconds it took."""
+    start = time.monotonic()
+    response = gw.chat()
+    return response, time.monotonic() - start
+
+
 def _live_for_the_test(gw: Stack) -> None:
     """The stack's workers live for a minute, whatever the test's heartbeat TTL (a loaded machine's stall must
     not make routing find none)."""
@@ -935,8 +947,7 @@ def _prefill_then_gone(gw: Stack, ended: bool, then: Callable[[FakePools, Genera
 
     gw.pools.script = prefill
     try:
-        start = time.monotonic()
-        return gw.chat(), time.monotonic() - start
+        return _timed_chat(gw)
     finally:
         gw.pools.redis.delete(inflight_key(gw.worker("prefill")))
 
@@ -1036,8 +1047,7 @@ def _orphan_with_a_live_peer(gw: Stack, then: Callable[[FakePools, GenerateTask]
 
     gw.pools.script = orphan
     try:
-        start = time.monotonic()
-        return gw.chat(), time.monotonic() - start
+        return _timed_chat(gw)
     finally:
         gw.pools.redis.hdel(workers_key(gw.model, "prefill"), "prefill-2")
 

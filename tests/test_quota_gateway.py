@@ -26,7 +26,7 @@ from tessera import db, quota_config, quotas, tenancy
 from tessera.app import create_app
 from tessera.quotas import Limits, Quotas, Scope
 from tessera.settings import Settings
-from test_gateway import FakePools, reply, silent, wait_for
+from test_gateway import FakePools, reply, silent, stack_worker, wait_for
 
 from gpu_workers.protocol import GenerateTask, cancel_key, worker_queue, workers_key
 
@@ -71,9 +71,7 @@ class Stack:
         return int(self.pools.redis.hget(scope.key("tpm:amounts"), "__total") or 0)
 
     def worker(self, pool: str) -> str:
-        """The id of this stack's live worker of ``pool``: its own, so that test files running side by side on
-        one Redis never share a worker's queue (one filling it to its bound would refuse another's requests)."""
-        return f"{pool}-1-{self.model.rsplit('-', 1)[1]}"
+        return stack_worker(self.model, pool)
 
     def live(self) -> None:
         for pool in ("prefill", "decode"):
