@@ -28,6 +28,7 @@ T = TypeVar("T", bound="Message")
 TASK_SERVE = "tessera.serve"  # colocated: one worker does prefill and decode
 TASK_PREFILL = "tessera.prefill"  # disaggregated, phase 1: prefill, first token, KV hand-off
 TASK_DECODE = "tessera.decode"  # disaggregated, phase 2: import KV, decode the rest
+TASK_EMBED = "tessera.embed"  # an embedding deployment's serve pool: embed a request's inputs (EmbedTask)
 POOLS = ("serve", "prefill", "decode")
 
 HEARTBEAT_INTERVAL_S = 2.0
@@ -172,6 +173,26 @@ class GenerateTask(Message):
 
 
 @dataclass
+class EmbedTask(Message):
+    """What the gateway queues for one embedding request: its inputs, tokenised (and truncated) already."""
+
+    request_id: str
+    deployment: str
+    tenant: str
+    inputs: list[list[int]]
+    deadline: float  # unix time; a worker drops the request after it
+
+
+@dataclass
+class Embeddings(Message):
+    """An embedding request's vectors: ``shape`` [n, dimension], ``data`` base64 of little-endian float32,
+    row after row (each row is what OpenAI's ``encoding_format: base64`` answers for one input)."""
+
+    shape: list[int]
+    data: str
+
+
+@dataclass
 class Usage(Message):
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -189,6 +210,7 @@ class Event(Message):
     usage: dict[str, int] | None = None
     error: dict[str, str] | None = None  # {"code", "message"}
     worker_id: str = ""
+    embeddings: Embeddings | None = None  # the final event of an embedding request
 
 
 @dataclass

@@ -33,8 +33,10 @@ import uuid
 
 from celery.worker import state as celery_state
 
+from gpu_workers.encoder_checkpoint import is_encoder_checkpoint
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
+from gpu_workers.pools.embed import run_embed_worker
 from gpu_workers.pools.handoff import HandoffStore
 from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
 from gpu_workers.pools.metrics import EngineCollector, Exporter
@@ -102,10 +104,13 @@ def run_worker(
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     if handoff not in ("auto", "redis", "shm"):
         raise ValueError(f"handoff must be auto, redis or shm, got {handoff!r}")
+    worker_id = worker_id or default_worker_id(pool)
+    if is_encoder_checkpoint(spec.checkpoint):  # an embedding model: no engine, no KV (pools/embed.py)
+        run_embed_worker(spec, pool, redis_url, worker_id, threads=threads, device=device, loglevel=loglevel)
+        return
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    worker_id = worker_id or default_worker_id(pool)
     host = socket.gethostname()
     client = connect_redis(redis_url)
     watch = ConfigWatch(client, spec)
