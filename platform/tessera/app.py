@@ -20,7 +20,7 @@ from billing import BillingConsumer
 from billing import metrics as billing_metrics
 from gpu_workers.protocol import connect_redis, make_celery
 from tessera import batch, db
-from tessera.api import admin, errors, health, inference, invoices, usage, web, workers_ai
+from tessera.api import admin, embeddings, errors, health, inference, invoices, usage, web, workers_ai
 from tessera.api.catalog import Catalog
 from tessera.api.deps import AdminCaller
 from tessera.auth import KeyVersion
@@ -105,6 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.batch_runner = batch_runner
     errors.install(app, settings.max_body_bytes, settings.batch_max_body_bytes)
     app.include_router(inference.router)
+    app.include_router(embeddings.router)
     app.include_router(health.router)
     app.include_router(admin.router)
     app.include_router(workers_ai.router)

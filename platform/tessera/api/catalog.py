@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError
+from gpu_workers.encoder_checkpoint import EncoderConfig, EncoderTokenizer, is_encoder_checkpoint
 from gpu_workers.protocol import DeploymentSpec
 from gpu_workers.tokenizer import Tokenizer, load_tokenizer
 from tessera.errors import APIError
@@ -34,6 +35,17 @@ class Model:
     vocab_size: int
     tokenizer: Tokenizer | None
     created: int  # unix time, for /v1/models
+    embedding: Encoder | None = None  # set for an embedding model (which serves /v1/embeddings only)
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """What the gateway needs of an embedding model: its vectors' size, its input limit, its tokenizer."""
+
+    dimension: int
+    max_seq_length: int
+    pooling: str  # mean | cls
+    tokenizer: EncoderTokenizer
 
 
 class Catalog:
@@ -53,6 +65,7 @@ class Catalog:
         # the deployments, so that made-up names cannot push real ones out of the cache.
         self._absent: TTLCache[str, bool] = TTLCache(max_absent, ttl_s)
         self._checkpoints: dict[tuple[str, str], tuple[ModelConfig, Tokenizer | None]] = {}
+        self._encoders: dict[tuple[str, str], tuple[EncoderConfig, EncoderTokenizer]] = {}
 
     def get(self, name: str) -> Model:
         """The enabled deployment ``name``, or a 404 that says how to find the valid ids."""
@@ -96,6 +109,8 @@ class Catalog:
 
     def _model(self, row: Deployment) -> Model:
         spec = row.to_spec()
+        if is_encoder_checkpoint(spec.checkpoint):
+            return self._embedding_model(row, spec)
         config, tokenizer = self._checkpoint(spec)
         context = min(spec.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         return Model(
@@ -106,6 +121,34 @@ class Catalog:
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,
             created=int(row.created_at.timestamp()),
+        )
+
+    def _embedding_model(self, row: Deployment, spec: DeploymentSpec) -> Model:
+        key = (spec.name, spec.checkpoint)
+        with self._lock:
+            loaded = self._encoders.get(key)
+        if loaded is None:
+            try:
+                config = EncoderConfig.from_pretrained(Path(spec.checkpoint))
+                loaded = config, EncoderTokenizer(spec.checkpoint, config.max_seq_length)
+            except (ModelLoadError, OSError, ValueError) as e:
+                raise APIError(
+                    503,
+                    f"the model '{spec.name}' is misconfigured: its checkpoint can't be read on the gateway ({e})",
+                    "model_unavailable",
+                ) from None
+            with self._lock:
+                self._encoders[key] = loaded
+        config, tokenizer = loaded
+        return Model(
+            spec=spec,
+            max_tokens_limit=0,
+            local_prefill_max_tokens=0,
+            context=config.max_seq_length,
+            vocab_size=config.vocab_size,
+            tokenizer=None,
+            created=int(row.created_at.timestamp()),
+            embedding=Encoder(config.dimension, config.max_seq_length, config.pooling, tokenizer),
         )
 
     def _checkpoint(self, spec: DeploymentSpec) -> tuple[ModelConfig, Tokenizer | None]:

@@ -79,6 +79,14 @@ class Gateway:
         """Validate ``body`` against its model (``model``: looked up already) and tokenise it. Sync: a thread
         runs it, unless ``prepare_for`` finds it cheap."""
         model = model or self.catalog.get(body.model)
+        if model.embedding is not None:
+            raise APIError(
+                400,
+                f"the model '{model.spec.name}' is an embedding model and does not generate text; send its input "
+                "to POST /v1/embeddings, or pick a chat model from GET /v1/models",
+                "embedding_model",
+                param="model",
+            )
         prompt_ids = self._prompt_ids(model, body)
         if not prompt_ids:
             raise APIError(

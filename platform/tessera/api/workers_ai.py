@@ -30,6 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from gpu_workers.protocol import pool_queue
 from tessera import batch, routing, streaming, tenancy
 from tessera.api.deps import Caller, current_caller
+from tessera.api.embeddings import TextEmbeddingRequest, TextEmbeddingResult, run_text_embedding
 from tessera.api.errors import validation_error
 from tessera.api.inference import Gateway, Prepared, gateway
 from tessera.api.schemas import (
@@ -44,7 +45,12 @@ from tessera.errors import APIError
 
 log = logging.getLogger(__name__)
 
-BODY_TAGS = ("run", "queue", "poll")  # which of the route's bodies a request sent (see ``_body_kind``)
+BODY_TAGS = (
+    "run",
+    "queue",
+    "poll",
+    "embed",
+)  # which of the route's bodies a request sent (see ``_body_kind``)
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -159,13 +165,16 @@ def _body_kind(data: Any) -> str:
         return "queue"
     if isinstance(data, dict) and "request_id" in data and not {"prompt", "messages"} & set(data):
         return "poll"
+    if isinstance(data, dict) and "text" in data and not {"prompt", "messages"} & set(data):
+        return "embed"
     return "run"
 
 
 RunBody = Annotated[
     Annotated[RunRequest, Tag("run")]
     | Annotated[BatchRequest, Tag("queue")]
-    | Annotated[PollRequest, Tag("poll")],
+    | Annotated[PollRequest, Tag("poll")]
+    | Annotated[TextEmbeddingRequest, Tag("embed")],
     Discriminator(_body_kind),
 ]
 
@@ -221,7 +230,7 @@ class BatchResults(BaseModel):
 
 
 class RunEnvelope(BaseModel):
-    result: RunResult | BatchStatus | BatchResults | None
+    result: RunResult | TextEmbeddingResult | BatchStatus | BatchResults | None
     success: bool
     errors: list[Message]
     messages: list[Message]
@@ -283,7 +292,7 @@ def _openai_request(model: str, body: RunRequest) -> ChatCompletionRequest | Com
     "/accounts/{account_id}/ai/run/{model:path}",
     response_model=RunEnvelope,
     responses=_ERRORS,
-    summary="Run a text-generation model (Workers AI)",
+    summary="Run a text-generation or text-embedding model (Workers AI)",
 )
 @router.post(
     "/client/v4/accounts/{account_id}/ai/run/{model:path}",
@@ -322,6 +331,9 @@ async def run_model(
             "invalid_request",
             param="requests",
         )
+    if isinstance(body, TextEmbeddingRequest):
+        result = await run_text_embedding(request, caller, model, body, reject_if_busy=False)
+        return JSONResponse(streaming.workers_ai_envelope(result))
     gw = gateway(request)
     openai_body = _openai_request(model, body)
     prepared = await gw.prepare_for(request, openai_body)
