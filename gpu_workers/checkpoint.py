@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_workers.gguf_file import GGUFError, is_gguf, open_gguf
+
 
 class ModelLoadError(ValueError):
     """A checkpoint folder that cannot be loaded: what is wrong, where, and what was expected."""
@@ -114,10 +116,16 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder."""
+        """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder, or
+        the hyperparameters of a GGUF file."""
         path = Path(path)
+        if is_gguf(path):
+            return cls.from_dict(gguf_config(path))
         if not path.is_dir():
-            raise ModelLoadError(f"model path {path} is not a directory; pass a checkpoint folder")
+            raise ModelLoadError(
+                f"model path {path} is neither a checkpoint folder nor a GGUF file; pass a folder with "
+                "config.json and *.safetensors, or a .gguf file"
+            )
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelLoadError(
@@ -177,6 +185,55 @@ class ModelConfig:
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             **extra,
         )
+
+
+def gguf_config(path: str | Path) -> dict[str, Any]:
+    """A GGUF file's hyperparameters as a ``config.json`` dict (``gguf_file.GGUFFile.hf_config``), with
+    llama.cpp's stored Llama 3 rope frequencies turned back into the ``rope_scaling`` they came from."""
+    try:
+        gguf = open_gguf(path)
+        raw = gguf.hf_config()
+        freqs = gguf.rope_freqs()
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    if freqs is not None:
+        raw["rope_scaling"] = _llama3_scaling(raw, freqs, Path(path).name)
+    return raw
+
+
+def _llama3_scaling(raw: dict[str, Any], freqs: Any, name: str) -> dict[str, Any]:
+    """The Llama 3 ``rope_scaling`` whose frequency divisors are ``freqs`` (llama.cpp stores the divisors,
+    not the parameters): its factor is the largest divisor; the rest are Llama 3.1's published values,
+    checked by recomputing every divisor."""
+    import math
+
+    factor, low, high = float(max(freqs)), 1.0, 4.0
+    original = int(raw.get("rope_scaling", {}).get("original_max_position_embeddings", 8192))
+    head_dim = raw["head_dim"]
+    expected = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * raw["rope_theta"] ** (i / head_dim)
+        if wavelength < original / high:
+            expected.append(1.0)
+        elif wavelength > original / low:
+            expected.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            expected.append(1 / ((1 - smooth) / factor + smooth))
+    if len(expected) != len(freqs) or any(
+        abs(a - b) > 1e-3 * b for a, b in zip(expected, freqs, strict=False)
+    ):
+        raise ModelLoadError(
+            f"{name} stores rope frequency factors (rope_freqs) that are not Llama 3's scaling with factor "
+            f"{factor:g}, low 1, high 4 and original context {original}; this rope scaling is not supported"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
 
 
 def read_json(path: Path) -> dict[str, Any]:

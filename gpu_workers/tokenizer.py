@@ -17,7 +17,8 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gpu_workers.checkpoint import read_json, token_id_list
+from gpu_workers.checkpoint import ModelLoadError, read_json, token_id_list
+from gpu_workers.gguf_file import GGUFError, is_gguf, open_gguf
 
 
 class ChatTemplateError(ValueError):
@@ -176,8 +177,11 @@ _MARKS = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a checkpoint folder, or None when it has no ``tokenizer.json``."""
+    """The tokenizer of a checkpoint folder, or None when it has no ``tokenizer.json``; a GGUF file's, built
+    from its metadata."""
     path = Path(path)
+    if is_gguf(path):
+        return gguf_tokenizer(path)
     if not (path / "tokenizer.json").is_file():
         return None
     config = _optional_json(path / "tokenizer_config.json")
@@ -189,6 +193,92 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
         add_bos_token=bool(config.get("add_bos_token", False)),
         chat_template=_chat_template(path, config),
         extra_eos_token_ids=token_id_list(generation.get("eos_token_id")),
+    )
+
+
+# llama.cpp's pre-tokenizers (``tokenizer.ggml.pre``) for byte-level BPE vocabularies: the splits its
+# llama-vocab.cpp applies before BPE, as ``tokenizers`` pre-tokenizers (a Split with the same regex, or the
+# same rules by name). Anything else is refused rather than tokenised differently from llama.cpp.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GGUF_PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2_SPLIT,),
+    "gpt2": (_GPT2_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one, then GPT-2's rules
+    "llama3": (_LLAMA3_SPLIT,),
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # GGML token types
+
+
+def gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The byte-level BPE tokenizer a GGUF file describes (``tokenizer.ggml.*``): vocabulary, merges,
+    llama.cpp's pre-tokenizer, control tokens as special tokens, BOS/EOS and the chat template.
+
+    Raises ModelLoadError for a tokenizer model or pre-tokenizer llama.cpp would split differently."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+    try:
+        gguf = open_gguf(path)
+        kind = gguf.get("tokenizer.ggml.model")
+        pre = gguf.get("tokenizer.ggml.pre") or "default"
+        tokens, types, merges = gguf.vocabulary()
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    name = Path(path).name
+    if kind != "gpt2":
+        raise ModelLoadError(
+            f"{name} has a {kind!r} tokenizer; GGUF files load with byte-level BPE ('gpt2', as Llama 3, "
+            "Qwen and SmolLM use) only"
+        )
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{name} names pre-tokenizer {pre!r}; supported: {', '.join(GGUF_PRE_TOKENIZERS)} (another one "
+            "would split text differently from llama.cpp)"
+        )
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in ("llama3", "llama-bpe")))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in GGUF_PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _USER_DEFINED
+        ]
+    )
+
+    def text(key: str) -> str | None:
+        token_id = gguf.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    eot = gguf.get("tokenizer.ggml.eot_token_id")
+    return Tokenizer(
+        backend,
+        bos_token=text("bos_token_id"),
+        eos_token=text("eos_token_id"),
+        add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=gguf.get("tokenizer.chat_template"),
+        extra_eos_token_ids=[] if eot is None else [int(eot)],
     )
 
 

@@ -76,6 +76,22 @@ def test_int4_gemm_matches_reference(m, n, k, group, symmetric, split_k):
     assert_matches(int4_linear_triton(xb, *args, tiles=tiles), int4_linear_reference(xb, *args), 2**-7)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 96, 256, 32), (37, 72, 160, 32)])
+def test_int4_gemm_with_gguf_minimums_matches_reference(m, n, k, group):
+    """GGUF's Q4_1 form, W = q * scale + min with float16 scales and minimums, as the file stores them."""
+    gen = torch.Generator().manual_seed(m)
+    q = quantize_int4(torch.randn(n, k, generator=gen), group)
+    scale = q.weight_scale.to(torch.float16)
+    minimum = (-q.weight_zero.float() * q.weight_scale.float()).to(torch.float16)
+    x = torch.randn(m, k, generator=gen)
+    args = (q.weight_packed, scale, None, group)
+    expected = int4_linear_reference(x, *args, None, minimum)
+    assert_matches(int4_linear_triton(x, *args, weight_min=minimum), expected, 1e-5)
+    xb = x.to(torch.bfloat16)
+    expected = int4_linear_reference(xb, *args, None, minimum)
+    assert_matches(int4_linear_triton(xb, *args, weight_min=minimum), expected, 2**-7)
+
+
 @pytest.mark.parametrize(("m", "n", "k", "group"), GEMM_SHAPES)
 def test_fp8_gemm_matches_reference(m, n, k, group):
     gen = torch.Generator().manual_seed(m)

@@ -174,6 +174,15 @@ def test_weight_gemms_compile_for_hopper(launches, dtype):
             int4_linear_triton.int4_linear_triton(
                 x, i4.weight_packed, i4.weight_scale, i4.weight_zero, 128, bias
             )
+    i4 = quantize_int4(w, 32)  # GGUF's Q4_1: float16 scales and minimums
+    int4_linear_triton.int4_linear_triton(
+        torch.randn(1, 256, dtype=dtype),
+        i4.weight_packed,
+        i4.weight_scale.half(),
+        None,
+        32,
+        weight_min=i4.weight_zero.half(),
+    )
     i4 = quantize_int4(w, 48)  # groups narrower than a K step: per-column scales
     int4_linear_triton.int4_linear_triton(
         torch.randn(1, 256, dtype=dtype), i4.weight_packed, i4.weight_scale, i4.weight_zero, 48

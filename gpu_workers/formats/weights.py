@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from gpu_workers.formats.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
 
 SCALE_DTYPE = torch.bfloat16  # int4 scales and zeros
+GGUF_SCALE_DTYPE = torch.float16  # the scales (and minimums) of GGUF's Q4_0 / Q4_1 blocks
 SYMMETRIC_ZERO = 8.0
 _MIN_RANGE = 1e-8  # a constant group still needs a usable scale
 
@@ -35,8 +36,9 @@ class Fp8Weight:
 class Int4Weight:
     weight_packed: torch.Tensor  # [out, in/2] uint8
     weight_scale: torch.Tensor  # [out, groups] bf16
-    weight_zero: torch.Tensor | None  # [out, groups] bf16; None when symmetric
+    weight_zero: torch.Tensor | None  # [out, groups] bf16; None when symmetric or with minimums
     group_size: int
+    weight_min: torch.Tensor | None = None  # [out, groups]: W = q * scale + min (GGUF's Q4_1)
 
 
 def quantize_fp8_weight(w: torch.Tensor) -> Fp8Weight:
@@ -94,15 +96,20 @@ def dequantize_int4(
     zero: torch.Tensor | None,
     group_size: int,
     dtype: torch.dtype,
+    minimum: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W ≈ (q - zero) * scale as [out, in] in ``dtype``, computed in fp32."""
+    """W ≈ (q - zero) * scale, or q * scale + minimum, as [out, in] in ``dtype``, computed in fp32."""
     codes = unpack_int4(packed)
     rows, cols = codes.shape
     groups = scale.shape[1]
     # A ragged last group is padded to a whole one, then cut off again.
     codes = F.pad(codes, (0, groups * group_size - cols)).view(rows, groups, group_size).float()
-    zero = SYMMETRIC_ZERO if zero is None else zero.float()[..., None]
-    return ((codes - zero) * scale.float()[..., None]).view(rows, -1)[:, :cols].to(dtype)
+    if minimum is not None:
+        weight = codes * scale.float()[..., None] + minimum.float()[..., None]
+    else:
+        zero = SYMMETRIC_ZERO if zero is None else zero.float()[..., None]
+        weight = (codes - zero) * scale.float()[..., None]
+    return weight.view(rows, -1)[:, :cols].to(dtype)
 
 
 def int4_bytes(rows: int, cols: int, group_size: int, symmetric: bool) -> int:

@@ -53,6 +53,7 @@ def _int4_gemm_kernel(
     stride_os,
     GROUP_SIZE: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    HAS_MIN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -106,9 +107,14 @@ def _int4_gemm_kernel(
                 zero_odd = tl.load(zero_ptr + at_odd, mask=tile_mask, other=0.0).to(tl.float32)
             else:
                 zero, zero_odd = 8.0, 8.0
-        # (q - zero) * scale in fp32, as the reference dequantises, then x's dtype for the tensor cores.
-        w_even = ((packed & 0xF).to(tl.float32) - zero) * scale
-        w_odd = ((packed >> 4).to(tl.float32) - zero_odd) * scale_odd
+        # (q - zero) * scale, or q * scale + min (zero_ptr then holds the minimums), in fp32 as the
+        # reference dequantises, then x's dtype for the tensor cores.
+        if HAS_MIN:
+            w_even = (packed & 0xF).to(tl.float32) * scale + zero
+            w_odd = (packed >> 4).to(tl.float32) * scale_odd + zero_odd
+        else:
+            w_even = ((packed & 0xF).to(tl.float32) - zero) * scale
+            w_odd = ((packed >> 4).to(tl.float32) - zero_odd) * scale_odd
         if DOT_FP32:
             acc += tl.dot(x_even.to(tl.float32), w_even, input_precision="ieee")
             acc += tl.dot(x_odd.to(tl.float32), w_odd, input_precision="ieee")
@@ -150,9 +156,11 @@ def int4_linear_triton(
     bias: torch.Tensor | None = None,
     *,
     tiles: Int4Tiles | None = None,
+    weight_min: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``quant_linear.int4_linear_reference``. ``tiles`` overrides ``int4_tiles``'s
     choice (the benchmark's sweep)."""
+    offsets = weight_min if weight_min is not None else weight_zero
     n, k = weight_packed.shape[0], weight_packed.shape[1] * 2
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
@@ -171,7 +179,7 @@ def int4_linear_triton(
         x2,
         weight_packed,
         weight_scale,
-        weight_scale if weight_zero is None else weight_zero,
+        weight_scale if offsets is None else offsets,
         out if bias is None else bias,
         out,
         m,
@@ -183,7 +191,8 @@ def int4_linear_triton(
         out.stride(-2),
         out.stride(0) if splits > 1 else 0,
         GROUP_SIZE=group_size,
-        HAS_ZERO=weight_zero is not None,
+        HAS_ZERO=offsets is not None,
+        HAS_MIN=weight_min is not None,
         HAS_BIAS=bias is not None,
         DOT_FP32=x.dtype == torch.float32 or interpreted(),
         BLOCK_M=tiles.block_m,

@@ -55,9 +55,11 @@ def int4_linear_reference(
     weight_zero: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None = None,
+    weight_min: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., in] @ W.T + bias, W = dequantised int4 [out, in] in x's dtype."""
-    weight = dequantize_int4(weight_packed, weight_scale, weight_zero, group_size, x.dtype)
+    """x [..., in] @ W.T + bias, W = dequantised int4 [out, in] in x's dtype (``formats.weights``: with
+    ``weight_min``, W = q * scale + min)."""
+    weight = dequantize_int4(weight_packed, weight_scale, weight_zero, group_size, x.dtype, weight_min)
     return F.linear(x, weight, bias)
 
 
@@ -68,12 +70,15 @@ def int4_linear(
     weight_zero: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None = None,
+    weight_min: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(x.device):
         from gpu_workers.kernels.int4_linear_triton import int4_linear_triton
 
-        return int4_linear_triton(x, weight_packed, weight_scale, weight_zero, group_size, bias)
-    return int4_linear_reference(x, weight_packed, weight_scale, weight_zero, group_size, bias)
+        return int4_linear_triton(
+            x, weight_packed, weight_scale, weight_zero, group_size, bias, weight_min=weight_min
+        )
+    return int4_linear_reference(x, weight_packed, weight_scale, weight_zero, group_size, bias, weight_min)
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,10 @@ class Int4CpuPack:
 
     Torch dequantises ``(q - 8) * scale + offset`` per group; ours is ``(q - zero) * scale``, so
     ``offset = (8 - zero) * scale``. In fp32 both products are exact (an 8-bit bf16 scale times a small
-    integer), so the kernel sees exactly our weights. A ragged last group is padded with code 0 columns
-    that meet zero-padded activations.
+    integer), so the kernel sees exactly our weights. GGUF's ``q * scale + min`` has
+    ``offset = min + 8 * scale``, rounded once to the activations' dtype with the float16 scale (bf16
+    activations keep 8 of its 11 significant bits: the kernel's arithmetic, not the stored weights).
+    A ragged last group is padded with code 0 columns that meet zero-padded activations.
     """
 
     weight: torch.Tensor  # torch's tiled uint8 packing of [out, padded_in] codes
@@ -112,6 +119,7 @@ def prepack_int4_cpu(
     weight_zero: torch.Tensor | None,
     group_size: int,
     dtype: torch.dtype,
+    weight_min: torch.Tensor | None = None,
 ) -> Int4CpuPack:
     """Our int4 encoding (``formats.weights``) as torch's CPU int4 kernel reads it, for activations in
     ``dtype``; check ``int4_cpu_supported`` first."""
@@ -120,8 +128,11 @@ def prepack_int4_cpu(
     padded = weight_scale.shape[1] * group_size
     codes = F.pad(codes, (0, padded - cols))
     scale = weight_scale.float()
-    zero = SYMMETRIC_ZERO if weight_zero is None else weight_zero.float()
-    offsets = (SYMMETRIC_ZERO - zero) * scale
+    if weight_min is not None:
+        offsets = weight_min.float() + SYMMETRIC_ZERO * scale
+    else:
+        zero = SYMMETRIC_ZERO if weight_zero is None else weight_zero.float()
+        offsets = (SYMMETRIC_ZERO - zero) * scale
     return Int4CpuPack(
         weight=torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1),
         scales_and_offsets=torch.stack((scale, offsets), dim=2).transpose(0, 1).to(dtype).contiguous(),

@@ -16,12 +16,14 @@ from rich.console import Console
 from rich.progress import Progress
 from safetensors import safe_open
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError, read_json
+from gpu_workers.gguf_file import is_gguf
 from gpu_workers.model.deepseek_v3 import DeepseekV3ForCausalLM
+from gpu_workers.model.gguf_weights import load_gguf_model
 from gpu_workers.model.glm4_moe import Glm4MoeForCausalLM
 from gpu_workers.model.llama import LlamaForCausalLM
+from gpu_workers.model.meta import on_meta
 from gpu_workers.model.mixtral import MixtralForCausalLM
 from gpu_workers.quant.config import DEFAULT_GROUP_SIZE, WEIGHT_FORMATS, QuantConfig
 from gpu_workers.quant.linear import Fp8Linear, Int4Linear, convert_linears
@@ -37,20 +39,6 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 INDEX_FILE = "model.safetensors.index.json"
 log = logging.getLogger(__name__)
-
-# torch's initialisers that dispatch through torch function modes (the rest call these or none).
-_INITIALISERS = frozenset({nn.init.normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.constant_})
-
-
-class _SkipInit(TorchFunctionMode):
-    """Leaves a module's parameters as built while it is built: on the meta device there is nothing to
-    initialise, and torch would run the initialisers' meta versions through its Python reference ops, whose
-    first call imports torch._dynamo (~1.3 s of every worker's start, for random numbers nobody reads)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _INITIALISERS:
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
 
 
 def load_model(
@@ -74,11 +62,17 @@ def load_model(
     """
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    if is_gguf(path):
+        if only != "all":
+            raise ModelLoadError(
+                f"only={only!r} selects layers of a safetensors checkpoint, not of a GGUF file"
+            )
+        return load_gguf_model(MODEL_CLASSES[config.architecture], path, dtype, device, progress, weights)
     stored = _stored_quantization(path)
     quant = _target_quantization(weights, stored, path, only)
     files = safetensors_files(path)
     # Built on the meta device so no memory is allocated or initialised for weights about to be overwritten.
-    with torch.device("meta"), _SkipInit():
+    with on_meta():
         model = MODEL_CLASSES[config.architecture](config).to(dtype)
         if quant is not None:
             convert_linears(model, quant)

@@ -83,7 +83,10 @@ class Fp8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + b with W = (q - zero) * scale, int4 codes in groups along the input dimension."""
+    """y = x @ W.T + b with W = (q - zero) * scale, int4 codes in groups along the input dimension.
+
+    ``minimums`` (GGUF's Q4_1, as the file stores it): W = q * scale + min, no zero points; ``scale_dtype``
+    is the scales' (and minimums') stored dtype, float16 for a GGUF's blocks."""
 
     def __init__(
         self,
@@ -93,20 +96,24 @@ class Int4Linear(nn.Module):
         bias_dtype: torch.dtype,
         group_size: int,
         symmetric: bool,
+        minimums: bool = False,
+        scale_dtype: torch.dtype = SCALE_DTYPE,
     ):
         super().__init__()
         if in_features % 2:
             raise ValueError(f"int4 packs two input columns per byte; in_features {in_features} is odd")
+        if symmetric and minimums:
+            raise ValueError("an int4 layer is symmetric (zero 8) or has minimums, not both")
         self.in_features, self.out_features = in_features, out_features
-        self.group_size, self.symmetric = group_size, symmetric
+        self.group_size, self.symmetric, self.minimums = group_size, symmetric, minimums
         groups = -(-in_features // group_size)
         self.register_buffer("weight_packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=SCALE_DTYPE))
+        self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=scale_dtype))
         self.weight_zero: torch.Tensor | None
-        if symmetric:
-            self.weight_zero = None
-        else:
-            self.register_buffer("weight_zero", torch.empty(out_features, groups, dtype=SCALE_DTYPE))
+        self.weight_min: torch.Tensor | None
+        offsets = torch.empty(out_features, groups, dtype=scale_dtype)
+        self.register_buffer("weight_zero", None if symmetric or minimums else offsets)
+        self.register_buffer("weight_min", offsets if minimums else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
         self._cpu_pack = _Prepared()
         self._dense = _Prepared()
@@ -114,6 +121,10 @@ class Int4Linear(nn.Module):
         self.kernel_weights = in_features * out_features
 
     def load_dense(self, weight: torch.Tensor) -> None:
+        if self.minimums:
+            raise ValueError(
+                "an int4 layer with minimums holds a GGUF's Q4_1 blocks as stored; it does not quantise"
+            )
         q = quantize_int4(weight.to(self.weight_packed.device), self.group_size, self.symmetric)
         self.weight_packed.copy_(q.weight_packed)
         self.weight_scale.copy_(q.weight_scale)
@@ -127,7 +138,12 @@ class Int4Linear(nn.Module):
         """One layer whose outputs are ``layers``' side by side (codes, group scales and zero points
         stacked along the output dimension: the same numbers), or None if their inputs or groups differ."""
         first = layers[0]
-        if len({(m.in_features, m.group_size, m.symmetric) for m in layers}) != 1:
+        if (
+            len(
+                {(m.in_features, m.group_size, m.symmetric, m.minimums, m.weight_scale.dtype) for m in layers}
+            )
+            != 1
+        ):
             return None
         # Each part must take the CPU path it took alone (the int4 kernel with bf16 activations in fp32
         # compute only for layers of >= 1M weights, and only for a multiple of 16 outputs), or the fused
@@ -138,10 +154,18 @@ class Int4Linear(nn.Module):
         out_features = sum(m.out_features for m in layers)
         with torch.device("meta"):
             fused = cls(
-                first.in_features, out_features, bias is not None, bias, first.group_size, first.symmetric
+                first.in_features,
+                out_features,
+                bias is not None,
+                bias,
+                first.group_size,
+                first.symmetric,
+                first.minimums,
+                first.weight_scale.dtype,
             )
         fused.kernel_weights = min(m.kernel_weights for m in layers)
-        buffers = ("weight_packed", "weight_scale") + (() if first.symmetric else ("weight_zero",))
+        offsets = ("weight_min",) if first.minimums else () if first.symmetric else ("weight_zero",)
+        buffers = ("weight_packed", "weight_scale", *offsets)
         return _stacked(fused, layers, buffers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,12 +174,22 @@ class Int4Linear(nn.Module):
             if dtype is not None:
                 return int4_linear_cpu(x, self.cpu_pack(dtype), self.bias)
             if x.dtype == torch.float32:
-                key = (x.dtype, *_identity(self.weight_packed, self.weight_scale, self.weight_zero))
+                key = (x.dtype, *_identity(*self._stored()))
                 args = (self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, x.dtype)
-                return F.linear(x, self._dense.get(key, lambda: dequantize_int4(*args)), self.bias)
+                dense = self._dense.get(key, lambda: dequantize_int4(*args, self.weight_min))
+                return F.linear(x, dense, self.bias)
         return int4_linear(
-            x, self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, self.bias
+            x,
+            self.weight_packed,
+            self.weight_scale,
+            self.weight_zero,
+            self.group_size,
+            self.bias,
+            self.weight_min,
         )
+
+    def _stored(self) -> tuple[torch.Tensor | None, ...]:
+        return self.weight_packed, self.weight_scale, self.weight_zero, self.weight_min
 
     def _cpu_activations(self, dtype: torch.dtype) -> torch.dtype | None:
         """The activation dtype this layer runs torch's int4 kernel in for ``dtype`` compute, or None."""
@@ -167,11 +201,16 @@ class Int4Linear(nn.Module):
 
     def cpu_pack(self, dtype: torch.dtype) -> Int4CpuPack:
         """This weight in torch's CPU int4 layout for activations in ``dtype``, packed once."""
-        key = (dtype, *_identity(self.weight_packed, self.weight_scale, self.weight_zero))
+        key = (dtype, *_identity(*self._stored()))
         return self._cpu_pack.get(
             key,
             lambda: prepack_int4_cpu(
-                self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, dtype
+                self.weight_packed,
+                self.weight_scale,
+                self.weight_zero,
+                self.group_size,
+                dtype,
+                self.weight_min,
             ),
         )
 

@@ -29,6 +29,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from billing.upserts import dialect_insert
+from gpu_workers.checkpoint import ModelConfig, ModelLoadError
+from gpu_workers.gguf_file import is_gguf
 from gpu_workers.protocol import DeploymentSpec, config_key, connect_redis
 from tessera import auth
 from tessera.models import (
@@ -461,16 +463,25 @@ def validate_deployment(values: Mapping[str, Any] | DeploymentConfig) -> Deploym
 
 
 def check_checkpoint(checkpoint: str | Path, prefill_weights: str, decode_weights: str) -> None:
-    """The checkpoint folder has a config.json, and can give each phase's weight format.
+    """The checkpoint folder has a config.json, and can give each phase's weight format; or the checkpoint is
+    a GGUF file of a supported architecture (it gives every format: its Q4_0/Q4_1 weights load as int4, the
+    rest are dequantised, and fp8 is quantised from those at load).
 
     Runs where the control plane runs: when checkpoints exist only on worker hosts, callers skip it.
     """
-    config_path = Path(checkpoint).expanduser() / "config.json"
     skip_hint = "(if it exists only on the worker hosts, skip this check with --no-checkpoint-check)"
+    path = Path(checkpoint).expanduser()
+    if is_gguf(path):
+        try:
+            ModelConfig.from_pretrained(path)
+        except ModelLoadError as exc:
+            raise InvalidConfig(f"checkpoint {checkpoint}: {exc}") from None
+        return
+    config_path = path / "config.json"
     if not config_path.is_file():
         raise InvalidConfig(
             f"checkpoint {checkpoint} has no config.json: expected a Hugging Face-style folder "
-            f"(config.json + *.safetensors) {skip_hint}"
+            f"(config.json + *.safetensors) or a .gguf file {skip_hint}"
         )
     try:
         config = json.loads(config_path.read_text())
