@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tessera.launcher import DEFAULT_MODEL, worker_threads_env
+from openai import OpenAI
+from tessera.launcher import CHAT_MODEL, DEFAULT_MODEL, worker_threads_env
 
 from gpu_workers.protocol import WorkerInfo, connect_redis, workers_key
 
@@ -202,8 +203,10 @@ def banner_commands(up: Up) -> str:
     return "\n".join(line[2:] for line in lines[start + 1 : end] if line.startswith("  "))
 
 
-def completion(up: Up, key: str | None = None, timeout: float = 60) -> httpx.Response:
-    body = {"model": DEFAULT_MODEL, "prompt": "def add(a, b):", "max_tokens": 8}
+def completion(
+    up: Up, key: str | None = None, timeout: float = 60, model: str = DEFAULT_MODEL
+) -> httpx.Response:
+    body = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8}
     headers = {"Authorization": f"Bearer {key or up.key}"}
     return httpx.post(f"{up.url}/v1/completions", headers=headers, json=body, timeout=timeout)
 
@@ -218,23 +221,37 @@ def test_up_prints_url_and_key_serves_and_ctrl_c_stops_everything(data_dir):
     try:
         assert up.key and up.key.startswith("tsk_")
         assert f"{up.url}/v1" in up.output
-        assert len(up.pids) >= 4  # prefill worker, decode worker, API, Redis
+        served = re.findall(r"^model: (\S+) \(.*\); (\w+)$", up.output, re.M)
+        assert served and served[0][0] == DEFAULT_MODEL, up.output
+        expected_workers = sum(2 if mode == "disaggregated" else 1 for _, mode in served)
+        assert len(up.pids) >= expected_workers + 2  # the workers, the API, Redis
         assert httpx.get(f"{up.url}/readyz").status_code == 200
         # The two workers share the cores (OMP_NUM_THREADS each), unless the user set it for them.
-        expected = os.environ.get("OMP_NUM_THREADS") or worker_threads_env({})["OMP_NUM_THREADS"]
+        expected = (
+            os.environ.get("OMP_NUM_THREADS") or worker_threads_env({}, expected_workers)["OMP_NUM_THREADS"]
+        )
         workers = [p for p in up.pids if b"worker" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
-        assert len(workers) == 2
+        assert len(workers) == expected_workers
         for pid in workers:
             environ = dict(
                 e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e
             )
             assert environ[b"OMP_NUM_THREADS"].decode() == expected
-        # What the banner says to run works when pasted into a shell, and completes Python.
+        # What the banner says to run works when pasted into a shell, and answers the question.
         commands = banner_commands(up)
-        assert commands.startswith(f"export TESSERA_KEY={up.key}\n") and "/v1/completions" in commands
+        assert commands.startswith(f"export TESSERA_KEY={up.key}\n") and "/v1/chat/completions" in commands
         pasted = subprocess.run(["bash", "-c", commands], capture_output=True, text=True, timeout=60)
         reply = json.loads(pasted.stdout)
-        assert reply["object"] == "text_completion" and reply["usage"]["completion_tokens"] > 0, pasted
+        assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] > 0, pasted
+        if DEFAULT_MODEL == CHAT_MODEL:  # README's example: the OpenAI SDK, greedy, answers the question
+            client = OpenAI(base_url=f"{up.url}/v1", api_key=up.key)
+            answer = client.chat.completions.create(
+                model=CHAT_MODEL,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=16,
+                temperature=0,
+            )
+            assert "Paris" in answer.choices[0].message.content, answer
     finally:
         code = stop_up(up, signal.SIGINT)
     assert code == 0, up.output

@@ -88,7 +88,7 @@ def test_up_on_a_locked_data_dir_refuses_before_starting_anything(tmp_path, lock
 def test_the_readme_shows_the_request_up_prints_with_the_key_from_tessera_key():
     readme = README.read_text()
     assert try_command("http://127.0.0.1:8787") in readme
-    assert "/v1/completions" in try_command("x") and '"max_tokens": 32' in try_command("x")
+    assert "/v1/chat/completions" in try_command("x") and '"max_tokens": 32' in try_command("x")
     assert "export TESSERA_KEY=" in readme
     assert 'api_key=os.environ["TESSERA_KEY"]' in readme  # the SDK example reads the same variable
     assert not re.search(r"Bearer (?!\$TESSERA_KEY)", readme)  # every example uses $TESSERA_KEY

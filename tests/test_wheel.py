@@ -161,7 +161,7 @@ def test_a_wheel_install_outside_the_checkout_migrates_serves_the_trained_model_
         )
         assert httpx.get(f"{up.url}/readyz").status_code == 200
         assert httpx.get(f"{up.url}/signin").status_code == 200  # the UI's templates came with the wheel
-        reply = completion(up, timeout=120)
+        reply = completion(up, timeout=120, model="@tessera/pycode-tiny")
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["model"] == "@tessera/pycode-tiny" and body["usage"]["completion_tokens"] > 0, body

