@@ -270,3 +270,40 @@ def test_gguf_config_is_what_its_keys_say(tiny_dir):
     raw = gguf_config(path)
     assert raw["architectures"] == ["Qwen3ForCausalLM"] and raw["tie_word_embeddings"]
     assert (raw["head_dim"], raw["num_key_value_heads"], raw["max_position_embeddings"]) == (16, 2, 512)
+
+
+def test_a_deployment_takes_a_gguf_file_and_names_what_it_cannot_serve(tiny_dir, tmp_path):
+    from tessera.tenancy import InvalidConfig, check_checkpoint
+
+    path = tiny_dir / "deploy.gguf"
+    write_tiny_gguf(path, "llama", "Q4_0")
+    for weights in ("bf16", "fp8", "int4"):  # a GGUF gives every format
+        check_checkpoint(path, weights, weights)
+    bad = tmp_path / "falcon.gguf"
+    writer = GGUFWriter(str(bad), "falcon")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(InvalidConfig, match="GGUF architecture 'falcon'"):
+        check_checkpoint(bad, "bf16", "int4")
+
+
+def test_generate_chats_with_a_gguf_from_the_command_line(tiny_dir):
+    import json
+    import subprocess
+    import sys
+
+    path = tiny_dir / "cli.gguf"
+    write_tiny_gguf(path, "qwen2", "Q4_1")
+    command = [sys.executable, "-m", "tessera.cli", "generate", "--model", str(path), "--chat", "Hello there",
+               "--temperature", "0", "--max-tokens", "5", "--dtype", "float32", "--json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    tokenizer = load_tokenizer(path)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hello there"}])
+    engine = Engine.from_pretrained(path, EngineConfig(dtype="float32"))
+    expected = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out["token_ids"] == expected.token_ids and len(out["token_ids"]) > 0
