@@ -67,7 +67,8 @@ def test_json_has_every_variant_and_reports_a_bad_one(demo_model_dir, capsys):
     parser = argparse.ArgumentParser()
     cli_eval.add_commands(parser.add_subparsers())
     args = parser.parse_args(
-        ["eval", "quality", "--model", str(demo_model_dir), "--variants", "kv=fp8_e4m3,weights=int3"]
+        ["eval", "quality", "--model", str(demo_model_dir), "--text", "python"]
+        + ["--variants", "kv=fp8_e4m3,weights=int3"]
         + ["--max-files", "1", "--max-tokens-per-file", "64", "--seeds", "1", "--json"]
     )
     assert args.func(args) == 0

@@ -45,3 +45,19 @@ def pooled_quantile(per_file: list[np.ndarray], q: float) -> Statistic:
         return np.array([np.quantile(np.concatenate([per_file[i] for i in row]), q) for row in idx])
 
     return stat
+
+
+def token_statistics(
+    nll: list[np.ndarray], kl: list[np.ndarray], top1: list[np.ndarray], base_nll: list[np.ndarray]
+) -> dict[str, Statistic]:
+    """The per-token metrics of one variant over its units (files or chunks), each unit's arrays per position:
+    perplexity, its change vs the baseline in % (paired), mean and p99 KL(baseline || variant), top-1 agreement."""
+    tokens = np.array([len(x) for x in base_nll], dtype=float)
+    nll_sum, base_sum = (np.array([x.sum() for x in arrays]) for arrays in (nll, base_nll))
+    return {
+        "perplexity": ratio(nll_sum, tokens, np.exp),
+        "perplexity_delta_pct": ratio(nll_sum - base_sum, tokens, lambda x: 100 * np.expm1(x)),
+        "kl_mean": ratio(np.array([x.sum() for x in kl]), tokens),
+        "kl_p99": pooled_quantile(kl, 0.99),
+        "top1_agreement": ratio(np.array([x.sum() for x in top1], dtype=float), tokens),
+    }

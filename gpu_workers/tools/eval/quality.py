@@ -1,6 +1,8 @@
-"""``tessera eval quality``: a model in memory-format variants vs its baseline, on the held-out stdlib files.
+"""``tessera eval quality``: a model in memory-format variants vs its baseline, on one of two texts.
 
-Per variant: perplexity, per-token KL(baseline || variant) (mean and p99), top-1 agreement, greedy
+``text="english"`` (chat models; english.py): chunks of the stdlib's English prose and greedy answers to 20
+fixed chat prompts. ``text="python"`` (the code models trained here), the rest of this module, on the held-out
+stdlib files: per variant, perplexity, per-token KL(baseline || variant) (mean and p99), top-1 agreement, greedy
 continuations that match the baseline's exactly for 32/128 tokens, and the share of sampled function
 completions that parse as Python. Every number carries a bootstrap 95% interval over files (files are
 resampled, so a few unusual files cannot make a difference look certain); the sampled metric also pools
@@ -15,11 +17,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import tokenizers
 import torch
-from tokenizers import Tokenizer
 
 from gpu_workers.engine import Engine, EngineConfig, SamplingParams
-from gpu_workers.tools.eval.bootstrap import estimate, file_resamples, pooled_quantile, ratio
+from gpu_workers.tokenizer import Tokenizer, load_tokenizer
+from gpu_workers.tools.eval import english
+from gpu_workers.tools.eval.bootstrap import estimate, file_resamples, ratio, token_statistics
 from gpu_workers.tools.eval.heldout import heldout_texts
 from gpu_workers.tools.eval.scoring import score_logprobs
 from gpu_workers.tools.metrics import next_token_metrics
@@ -27,10 +31,31 @@ from gpu_workers.tools.train.data import eval_windows, token_stream
 
 BASELINES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 VARIANT_KEYS = {"kv": "kv_cache_dtype", "weights": "weights", "dtype": "dtype"}
+TEXTS = ("english", "python")
+# English (chat models, GGUFs among them): the baseline computes in fp32 on unquantised weights (a Q4 GGUF's
+# dequantised), and each variant runs as served, in bf16, so its row holds the format's cost on top of bf16's;
+# the dtype=bfloat16 row alone is that floor. weights=int4 keeps a GGUF's Q4_0/Q4_1 blocks as stored.
+DEFAULT_BASELINE = {"english": "fp32", "python": "bf16"}
+DEFAULT_VARIANTS = {
+    "english": (
+        "dtype=bfloat16",
+        "dtype=bfloat16+kv=fp8_e4m3",
+        "dtype=bfloat16+weights=int4",
+        "dtype=bfloat16+kv=fp8_e4m3+weights=int4",
+    ),
+    "python": ("kv=fp8_e4m3", "weights=int4", "weights=fp8"),
+}
 
 
 @dataclass
 class EvalSettings:
+    text: str = "python"  # one of TEXTS
+    # english
+    chunks: int = 12
+    chunk_tokens: int = 512
+    chat_prompts: int = len(english.CHAT_PROMPTS)
+    chat_tokens: int = 48
+    # python
     max_files: int | None = None
     max_tokens_per_file: int | None = None
     seeds: int = 3
@@ -76,7 +101,9 @@ def baseline_config(name: str) -> EngineConfig:
     return EngineConfig(dtype=BASELINES[name], weights="bf16", kv_cache_dtype="auto", prefix_cache=False)
 
 
-def greedy_prompts(tokenizer: Tokenizer, text: str, count: int, prompt_tokens: int) -> list[list[int]]:
+def greedy_prompts(
+    tokenizer: tokenizers.Tokenizer, text: str, count: int, prompt_tokens: int
+) -> list[list[int]]:
     """``count`` prompts cut at line boundaries spread over the file, each its last ``prompt_tokens``."""
     lines = text.splitlines(keepends=True)
     prompts = []
@@ -139,15 +166,17 @@ def completes_function(head: str, completion: str) -> bool:
 class QualityRun:
     """The per-file measurements of every variant; ``summary`` turns them into numbers with intervals."""
 
-    def __init__(self, model_dir: Path, settings: EvalSettings, log: Callable[[str], None] = lambda _: None):
-        self.model_dir = Path(model_dir)
+    def __init__(
+        self,
+        model_dir: Path,
+        tokenizer: Tokenizer,
+        settings: EvalSettings,
+        log: Callable[[str], None] = lambda _: None,
+    ):
         self.settings = settings
         self.log = log
-        self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self.files = heldout_texts([self.model_dir], settings.max_files)
-
-    def load(self, config: EngineConfig) -> Engine:
-        return Engine.from_pretrained(self.model_dir, config)
+        self.tokenizer = tokenizer.backend  # the raw text, no chat template or added BOS
+        self.files = heldout_texts([Path(model_dir)], settings.max_files)
 
     def measure(self, engines: dict[str, Engine]) -> dict[str, list[FileStats]]:
         """Run every file through every engine; engines["baseline"] is the reference."""
@@ -209,13 +238,8 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
     base = stats["baseline"]
     num_files = len(base)
     resamples = file_resamples(num_files, seed)
-    tokens = np.array([len(f.nll) for f in base], dtype=float)
-    base_nll = np.array([f.nll.sum() for f in base])
     out = {}
     for v, files in stats.items():
-        nll = np.array([f.nll.sum() for f in files])
-        kl = np.array([f.kl.sum() for f in files])
-        top1 = np.array([f.top1.sum() for f in files], dtype=float)
         match32, match128, prompts = (np.zeros(num_files) for _ in range(3))
         for i, (f, b) in enumerate(zip(files, base, strict=True)):
             prompts[i] = len(b.greedy)
@@ -224,12 +248,9 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
         valid = np.array([sum(map(sum, f.valid)) for f in files], dtype=float)
         completions = np.array([sum(map(len, f.valid)) for f in files], dtype=float)
 
-        metrics: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-            "perplexity": ratio(nll, tokens, np.exp),
-            "perplexity_delta_pct": ratio(nll - base_nll, tokens, lambda x: 100 * np.expm1(x)),
-            "kl_mean": ratio(kl, tokens),
-            "kl_p99": pooled_quantile([f.kl for f in files], 0.99),
-            "top1_agreement": ratio(top1, tokens),
+        metrics = token_statistics(
+            [f.nll for f in files], [f.kl for f in files], [f.top1 for f in files], [f.nll for f in base]
+        ) | {
             "exact_match_32": ratio(match32, prompts),
             "exact_match_128": ratio(match128, prompts),
             "valid_python": ratio(valid, completions),
@@ -243,7 +264,7 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
         ]
         result.update(
             files=num_files,
-            tokens=int(tokens.sum()),
+            tokens=sum(len(f.nll) for f in base),
             greedy_prompts=int(prompts.sum()),
             completions=int(completions.sum()),
         )
@@ -252,14 +273,25 @@ def summarize(stats: dict[str, list[FileStats]], seed: int = 0) -> dict[str, dic
 
 
 def run_quality(
-    model_dir: Path,
+    model: Path,
     baseline: str,
     variants: list[str],
     settings: EvalSettings,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, dict]:
-    """Measure every variant that loads; one that cannot load reports ``{"error": ...}`` and is skipped."""
-    run = QualityRun(model_dir, settings, log)
+    """Measure every variant that loads; one that cannot load reports ``{"error": ...}`` and is skipped.
+
+    ``model``: a checkpoint folder or a GGUF file."""
+    if settings.text not in TEXTS:
+        raise ValueError(f"text must be one of {TEXTS}, got {settings.text!r}")
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError(f"{model} has no tokenizer.json; the evaluation encodes text with it")
+    if settings.text == "english" and not tokenizer.has_chat_template:
+        raise ValueError(
+            f"{model} has no chat template, and the English text includes chat prompts; "
+            "use text 'python' for a model that continues code"
+        )
     base_config = baseline_config(baseline)
     configs = {"baseline": base_config}
     errors: dict[str, dict] = {}
@@ -271,12 +303,23 @@ def run_quality(
     engines = {}
     for name, config in configs.items():
         try:
-            engines[name] = run.load(config)
+            engines[name] = Engine.from_pretrained(model, config)
         except Exception as exc:  # noqa: BLE001 -- one variant failing to load must not stop the others
             if name == "baseline":
                 raise
             errors[name] = {"error": f"could not load this variant: {type(exc).__name__}: {exc}"}
-    summary = summarize(run.measure(engines), settings.bootstrap_seed)
+    if settings.text == "english":
+        chunks = english.topic_chunks(tokenizer, settings.chunks, settings.chunk_tokens)
+        stats = english.measure_chunks(engines, chunks, settings.chunk_size, log)
+        log(f"greedy answers to {settings.chat_prompts} chat prompts")
+        prompts = english.chat_prompt_ids(tokenizer, settings.chat_prompts)
+        answers = english.greedy_answers(engines, prompts, settings.chat_tokens)
+        summary = english.summarize_english(stats, answers, settings.bootstrap_seed)
+        for name, result in summary.items():
+            result["chat_answers"] = [tokenizer.decode(a) for a in answers[name]]
+    else:
+        run = QualityRun(model, tokenizer, settings, log)
+        summary = summarize(run.measure(engines), settings.bootstrap_seed)
     for name, config in configs.items():
         if name in summary:
             summary[name]["config"] = {

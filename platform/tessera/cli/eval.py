@@ -16,7 +16,14 @@ from pathlib import Path
 from tessera import SHIPPED_MODEL_DIR
 from tessera.cli.common import CliError, parse_positive_int
 
-DEFAULT_VARIANTS = "kv=fp8_e4m3,weights=int4,weights=fp8"
+TOKEN_METRICS = (
+    ("perplexity", "perplexity", "{:.3f}"),
+    ("perplexity_delta_pct", "Δ ppl %", "{:+.3f}"),
+    ("kl_mean", "KL mean", "{:.5f}"),
+    ("kl_p99", "KL p99", "{:.4f}"),
+    ("top1_agreement", "top-1 agree", "{:.4f}"),
+)
+ENGLISH_METRICS = (*TOKEN_METRICS, ("chat_exact_match", "chat exact", "{:.2f}"))
 TABLE_METRICS = (
     ("perplexity", "perplexity", "{:.3f}"),
     ("perplexity_delta_pct", "Δ ppl %", "{:+.3f}"),
@@ -34,32 +41,79 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     evals = ev.add_subparsers(dest="eval", required=True, metavar="EVAL")
     q = evals.add_parser(
         "quality",
-        help="perplexity, KL, top-1 agreement, greedy exact match and valid-Python share per format variant",
-        description="Score the held-out standard-library files (the training split's rule) with the "
-        "baseline and each variant; every metric comes with a bootstrap 95% interval over files. "
-        "A variant is KEY=VALUE[+KEY=VALUE] with KEY kv (auto, bf16, fp8_e4m3), weights (bf16, fp8, int4) "
-        "or dtype; a variant that cannot load reports its error and the others still run.",
+        help="perplexity, KL, top-1 agreement and greedy exact match per memory-format variant",
+        description="Score a text with the baseline and each variant; every metric comes with a paired "
+        "bootstrap 95%% interval. --text english (the default for a model with a chat template): chunks of "
+        "the standard library's English prose, pydoc_data/topics.py (the reference manual's text that "
+        "help() shows), and greedy answers to 20 fixed chat prompts in the model's chat template (how many "
+        "change vs the baseline); intervals over chunks and over prompts. The baseline is fp32 on "
+        "unquantised weights (a GGUF's Q4 blocks dequantised) and the default variants run in bf16, as "
+        "served: dtype=bfloat16 alone is the bf16-vs-fp32 floor the others are read against. --text python "
+        "(the default otherwise): the held-out standard-library files (the training split's rule), "
+        "greedy continuations and the valid-Python share of sampled completions; intervals over files. "
+        "A variant is KEY=VALUE[+KEY=VALUE] with KEY kv (auto, bf16, fp8_e4m3), weights (bf16, fp8, int4: "
+        "a GGUF's Q4_0/Q4_1 as stored, other weights quantised to int4 groups of 128) or dtype (bfloat16, "
+        "float16, float32); a variant that cannot load reports its error and the others still run.",
     )
     q.add_argument(
         "--model",
         type=Path,
         default=SHIPPED_MODEL_DIR,
-        metavar="DIR",
-        help="checkpoint (default pycode-tiny)",
+        metavar="PATH",
+        help="checkpoint folder or GGUF file (default pycode-tiny)",
     )
-    q.add_argument("--baseline", default="bf16", metavar="B", help="bf16 (default), fp16 or fp32")
+    q.add_argument(
+        "--text",
+        choices=("english", "python"),
+        help="english (pydoc topics and chat prompts) or python (held-out stdlib files); default english "
+        "for a model with a chat template, else python",
+    )
+    q.add_argument(
+        "--baseline", metavar="B", help="bf16, fp16 or fp32 (default fp32 for english, bf16 for python)"
+    )
     q.add_argument(
         "--variants",
-        default=DEFAULT_VARIANTS,
         metavar="V,V",
-        help=f"comma-separated variants (default {DEFAULT_VARIANTS})",
-    )
-    q.add_argument("--max-files", type=int, metavar="N", help="only the first N held-out files")
-    q.add_argument(
-        "--max-tokens-per-file", type=int, metavar="T", help="score only the first T tokens of each file"
+        help="comma-separated variants (default for english: dtype=bfloat16, then FP8 KV, INT4 weights and "
+        "both, each +dtype=bfloat16; for python: kv=fp8_e4m3,weights=int4,weights=fp8)",
     )
     q.add_argument(
-        "--seeds", type=int, default=3, metavar="S", help="sampling seeds for valid-Python (default 3)"
+        "--chunks",
+        type=parse_positive_int,
+        metavar="N",
+        help="english: pydoc topics scored, one chunk from the start of each (default 12)",
+    )
+    q.add_argument(
+        "--chunk-tokens",
+        type=parse_positive_int,
+        metavar="T",
+        help="english: tokens per chunk (default 512)",
+    )
+    q.add_argument(
+        "--chat-prompts",
+        type=parse_positive_int,
+        metavar="N",
+        help="english: the first N of the 20 fixed chat prompts (default all 20)",
+    )
+    q.add_argument(
+        "--chat-tokens",
+        type=parse_positive_int,
+        metavar="T",
+        help="english: greedy tokens per answer at most (default 48)",
+    )
+    q.add_argument("--max-files", type=int, metavar="N", help="python: only the first N held-out files")
+    q.add_argument(
+        "--max-tokens-per-file",
+        type=int,
+        metavar="T",
+        help="python: score only the first T tokens of each file",
+    )
+    q.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        metavar="S",
+        help="python: sampling seeds for valid-Python (default 3)",
     )
     q.add_argument("--json", action="store_true", help="print one JSON object keyed by variant")
     q.set_defaults(func=cmd_eval_quality)
@@ -151,49 +205,74 @@ def model_dirs(args: argparse.Namespace) -> list[Path]:
 def cmd_eval_quality(args: argparse.Namespace) -> int:
     import torch
 
-    from gpu_workers.tools.eval.quality import EvalSettings, run_quality
+    from gpu_workers.tokenizer import load_tokenizer
+    from gpu_workers.tools.eval.quality import DEFAULT_BASELINE, DEFAULT_VARIANTS, EvalSettings, run_quality
 
     for name in ("max_files", "max_tokens_per_file", "seeds"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive, got {value}", exit_code=2)
-    if not (args.model / "tokenizer.json").exists():
-        raise ValueError(f"{args.model} has no tokenizer.json; the evaluation encodes text with it")
+    if not args.model.exists():
+        raise CliError(
+            f"--model {args.model}: no such file or folder; expected a checkpoint folder or a GGUF"
+        )
+    text = args.text
+    if text is None:
+        tokenizer = load_tokenizer(args.model)
+        text = "english" if tokenizer is not None and tokenizer.has_chat_template else "python"
     torch.manual_seed(0)
+    given = ("chunks", "chunk_tokens", "chat_prompts", "chat_tokens")
     settings = EvalSettings(
-        max_files=args.max_files, max_tokens_per_file=args.max_tokens_per_file, seeds=args.seeds
+        text=text,
+        max_files=args.max_files,
+        max_tokens_per_file=args.max_tokens_per_file,
+        seeds=args.seeds,
+        **{name: getattr(args, name) for name in given if getattr(args, name) is not None},
     )
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     results = run_quality(
-        args.model, args.baseline, variants, settings, log=lambda m: print(m, file=sys.stderr)
+        args.model,
+        args.baseline or DEFAULT_BASELINE[text],
+        list(variants or DEFAULT_VARIANTS[text]),
+        settings,
+        log=lambda m: print(m, file=sys.stderr),
     )
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        print(format_table(results))
+        print(format_table(results, text))
     return 0
 
 
-def format_table(results: dict[str, dict]) -> str:
+def format_table(results: dict[str, dict], text: str = "python") -> str:
     """A markdown table, one row per variant, each number followed by its 95% interval."""
-    lines = [
-        "| variant | " + " | ".join(label for _, label, _ in TABLE_METRICS) + " |",
-        "|---" * (len(TABLE_METRICS) + 1) + "|",
-    ]
+    metrics = ENGLISH_METRICS if text == "english" else TABLE_METRICS
+    extra = ["chat answers changed"] if text == "english" else []
+    labels = [label for _, label, _ in metrics] + extra
+    lines = ["| variant | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error']} |")
             continue
         cells = []
-        for key, _, fmt in TABLE_METRICS:
+        for key, _, fmt in metrics:
             lo, hi = r[f"{key}_ci95"]
             cells.append(f"{fmt.format(r[key])} [{fmt.format(lo)}, {fmt.format(hi)}]")
+        if text == "english":
+            cells.append(f"{r['chat_answers_changed']}/{r['chat_prompts']}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     first = next(r for r in results.values() if "error" not in r)
-    lines.append(
-        f"\n{first['files']} files, {first['tokens']} scored tokens, {first['greedy_prompts']} greedy prompts, "
-        f"{first['completions']} sampled completions per variant; [95% bootstrap interval over files]"
-    )
+    if text == "english":
+        lines.append(
+            f"\n{first['chunks']} chunks of {first['text']}, {first['tokens']} scored tokens; "
+            f"{first['chat_prompts']} chat prompts, greedy; [95% bootstrap interval over chunks, "
+            "over prompts for chat exact match]"
+        )
+    else:
+        lines.append(
+            f"\n{first['files']} files, {first['tokens']} scored tokens, {first['greedy_prompts']} greedy "
+            f"prompts, {first['completions']} sampled completions per variant; [95% bootstrap interval over files]"
+        )
     return "\n".join(lines)
 
 
