@@ -307,3 +307,16 @@ def test_generate_chats_with_a_gguf_from_the_command_line(tiny_dir):
     engine = Engine.from_pretrained(path, EngineConfig(dtype="float32"))
     expected = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0]
     assert out["token_ids"] == expected.token_ids and len(out["token_ids"]) > 0
+
+
+def test_gguf_bench_reports_each_format_from_its_own_process(tiny_dir):
+    from tessera.bench.gguf import run_gguf_bench
+
+    path = tiny_dir / "bench.gguf"
+    write_tiny_gguf(path, "llama", "Q4_1")
+    report = run_gguf_bench(path, ["auto", "bf16"], "float32", [1, 2], tokens=3, repeat=1, as_json=True)
+    for weights in ("auto", "bf16"):
+        entry = report["formats"][weights]
+        assert entry["cold_load_s"]["mean"] > 0 and entry["resident_mib"]["mean"] > 0
+        assert all(entry["tok_s"][n]["mean"]["mean"] > 0 for n in ("1", "2"))
+    assert report["formats"]["auto"]["tok_s"]["1"]["vs_auto"]["mean"] == 1.0
