@@ -1,8 +1,8 @@
 """`tessera capacity` and the engine agree on KV bytes per token: one declaration, measured allocations.
 
 For every architecture the engine serves and every KV format, a tiny checkpoint is built at test time, an
-engine allocates its pool, and the bytes of the tensors it really holds (K, V, FP8 scales; a tensor
-shared between K and V counted once) per token of capacity must equal the planner's figure for the same
+engine allocates its pool, and the bytes of the tensors it really holds (K, V, FP8 scales, INT8 entries'
+own scales; a tensor shared between K and V counted once) per token of capacity must equal the planner's figure for the same
 checkpoint folder.
 """
 
@@ -60,8 +60,13 @@ def test_kimi_k2_capacity_agrees_with_the_engine_cache_for_the_v3_config(capsys)
     for kv_format, dtype in cap.KV_DTYPES.items():
         cache = KVCache(spec, 2, PAGE_SIZE, dtype)
         assert planned[kv_format] == allocated_bytes(cache) / cache.capacity_tokens
-    # One latent tensor per layer: 61 x 576 values, plus one fp32 scale per (layer, page) under FP8.
-    assert planned == {"bf16": 61 * 576 * 2, "fp8_e4m3": 61 * 576 + 61 * 4 / PAGE_SIZE}
+    # One latent tensor per layer: 61 x 576 values, plus one fp32 scale per (layer, page) under FP8, one
+    # bf16 scale per entry under INT8.
+    assert planned == {
+        "bf16": 61 * 576 * 2,
+        "int8": 61 * (576 + 2),
+        "fp8_e4m3": 61 * 576 + 61 * 4 / PAGE_SIZE,
+    }
     assert planned["fp8_e4m3"] == 35_151.25
 
 

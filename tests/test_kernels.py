@@ -10,6 +10,8 @@ Tolerances, and why:
 - FP8 quantisation inside a kernel (KV write): the interpreter's fp32→fp8 cast drops the carry when
   rounding up crosses a power of two (ENVIRONMENT.md). Values that need no rounding match bit for bit;
   on random values every mismatch must be exactly that bug.
+- INT8 KV entries: the write rounds in integer arithmetic and to nearest even by adding 1.5 * 2^23, so the
+  Triton and numba writes equal the torch path bit for bit, in the interpreter too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch  # noqa: E402
 
 from gpu_workers import Engine, EngineConfig, SamplingParams  # noqa: E402
 from gpu_workers.formats.fp8 import quantize_fp8  # noqa: E402
+from gpu_workers.formats.kv_int8 import dequantize_int8_entries, quantize_int8_entries  # noqa: E402
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
 from gpu_workers.kernels.fp8_linear_triton import fp8_linear_triton  # noqa: E402
 from gpu_workers.kernels.int4_linear_triton import int4_linear_triton, int4_tiles  # noqa: E402
@@ -126,6 +129,9 @@ def stored_as(kv: str, k: torch.Tensor, v: torch.Tensor, num_pages: int, page_si
     """fp32 K and V as a cache of format ``kv`` stores them, and its per-page (k, v) scales (None unless FP8)."""
     if kv == "bf16":
         return k.to(torch.bfloat16), v.to(torch.bfloat16), (None, None)
+    if kv == "int8":  # entries of varied sizes: each scales itself
+        sizes = torch.rand(k.shape[0], k.shape[1], 1, generator=torch.Generator().manual_seed(7)) * 8
+        return quantize_int8_entries(k * sizes), quantize_int8_entries(v * sizes), (None, None)
     if kv != "fp8_e4m3":
         return k, v, (None, None)
     # Per-page scales, as KVCache keeps them; quantised with torch (the interpreter's fp8 cast is buggy).
@@ -150,8 +156,10 @@ def stored_as(kv: str, k: torch.Tensor, v: torch.Tensor, num_pages: int, page_si
     [
         (paged_decode_attention_triton, "bf16"),
         (paged_decode_attention_triton, "fp8_e4m3"),
+        (paged_decode_attention_triton, "int8"),
         (paged_decode_attention_cpu, "bf16"),
         (paged_decode_attention_cpu, "fp8_e4m3"),
+        (paged_decode_attention_cpu, "int8"),
         (paged_decode_attention_cpu, "fp32"),
     ],
 )
@@ -165,7 +173,7 @@ def test_paged_decode_attention_matches_reference(heads, kv_heads, head_dim, pag
     assert_matches(kernel(qb, *args), paged_decode_attention_reference(qb, *args), 2**-7)
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "fp32"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "int8", "fp32"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (16, 2), (10, 2)])
 def test_cpu_decode_attention_serves_odd_and_large_query_groups(heads, kv_heads, kv):
     # The CPU kernel serves a GQA group's query heads two at a time: a group of 3 leaves one head to serve
@@ -190,7 +198,7 @@ def test_cpu_decode_attention_reads_every_e4m3_value_exactly():
     torch.testing.assert_close(out[2, 0], patterns.view(torch.float8_e4m3fn).float() * 3.0, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8", "bf16"])
 def test_cpu_decode_attention_under_a_sharp_softmax_matches_the_reference(kv):
     """Scores spread over a hundred or more within a row (probabilities from 1 down past e^-64, which the
     kernel counts as 0), and values of very different sizes (V pages scaled by 2^-12 to 2^8, so the FP8 V
@@ -220,6 +228,8 @@ def test_cpu_decode_attention_under_a_sharp_softmax_matches_the_reference(kv):
     scales = (None, None)
     if kv == "bf16":
         k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    elif kv == "int8":
+        k, v = quantize_int8_entries(k), quantize_int8_entries(v)
     else:
         scales = tuple(x.view(num_pages, -1).abs().amax(-1) / 448 for x in (k, v))
         k, v = (
@@ -233,7 +243,7 @@ def test_cpu_decode_attention_under_a_sharp_softmax_matches_the_reference(kv):
     assert ((out - expected).abs() <= 1e-5 * size).all()
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("mode", ["triton", "auto"])  # auto on the CPU: the numba kernel
 def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_dtype, mode):
     """Decode rows through the kernel, prefill rows through kv.attention: the same output as the reference."""
@@ -274,6 +284,8 @@ def test_kernel_attention_equals_kv_reference_for_a_mixed_step(monkeypatch, kv_d
         (torch.float8_e4m3fn, torch.bfloat16, False),
         (torch.float8_e4m3fn, torch.float32, False),
         (torch.float8_e4m3fn, torch.bfloat16, True),
+        (torch.int8, torch.bfloat16, False),
+        (torch.int8, torch.float32, False),
     ],
 )
 @pytest.mark.parametrize("window", [None, 5])
@@ -366,6 +378,37 @@ def test_kv_write_fp8_matches_reference_except_the_interpreters_carry_bug():
         assert torch.equal(want.abs(), torch.exp2(torch.log2(want.abs()).round()))
         assert torch.equal(got, want / 2)
         assert wrong.float().mean() < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kv_writes_equal_the_torch_path_bit_for_bit(monkeypatch, dtype):
+    """INT8 entries written by the Triton kernel (interpreted), the numba write and the torch reference:
+    the same codes and scales, for entries of every size (a zero entry, tiny and huge ones)."""
+    from gpu_workers.kernels.kv_write_cpu import write_kv_int8_cpu
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(23, 3, 40, generator=gen) * torch.exp2(torch.randint(-30, 20, (23, 3, 1), generator=gen))
+    x[5, 1] = 0.0
+    x[6, 2, 7] = 3e4  # one outlier: its entry's other values round to few codes, never past ±127
+    x = x.to(dtype)
+    mapping = torch.randperm(64, generator=gen)[:23]
+    written = []
+    for write in (
+        lambda slots: write_kv_reference(x, slots, mapping, None, 16),
+        lambda slots: write_kv_triton(x, slots, mapping, None, 16),
+        lambda slots: write_kv_int8_cpu(x, slots, mapping),
+    ):
+        slots = torch.zeros(64, 3, 42, dtype=torch.int8)
+        write(slots)
+        written.append(slots)
+    assert torch.equal(written[0], written[1]) and torch.equal(written[0], written[2])
+    back = dequantize_int8_entries(written[0][mapping], torch.float32)
+    codes = written[0][mapping][..., :40].float()
+    assert codes.abs().max() == 127 and torch.equal(back[5, 1], torch.zeros(40))
+    # Every value within half a code of the entry's own amax / 127 (amax at least MIN_AMAX, 1e-6), the bf16
+    # scale's rounding aside (2^-9 relative).
+    step = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-6) / 127
+    assert ((back - x.float()).abs() <= step * (0.5 + 2**-8)).all()
 
 
 def test_cpu_fp8_write_equals_the_torch_path_bit_for_bit(monkeypatch):

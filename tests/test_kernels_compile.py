@@ -42,7 +42,7 @@ TRITON_TYPES = {
     torch.float8_e4m3fn: "fp8e4nv",
 }
 MODULES = {
-    kv_write_triton: ["_write_kv_kernel"],
+    kv_write_triton: ["_write_kv_kernel", "_write_int8_kernel"],
     paged_attention_triton: ["_decode_split_kernel", "_merge_splits_kernel"],
     fp8_linear_triton: ["_fp8_gemm_kernel"],
     int4_linear_triton: ["_int4_gemm_kernel"],
@@ -141,7 +141,7 @@ def compile_all(launches: list) -> set[str]:
     return set(done.stdout.split())
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kv_write_and_paged_attention_compile_for_hopper(launches, kv_dtype, dtype):
     # A step with decode rows and a prefill chunk, written and attended through a real cache, as a layer
@@ -156,7 +156,8 @@ def test_kv_write_and_paged_attention_compile_for_hopper(launches, kv_dtype, dty
     k, v = torch.randn(tokens, 2, 64, dtype=dtype), torch.randn(tokens, 2, 64, dtype=dtype)
     for window in (None, 8):
         PagedAttention(cache, meta)(0, q, k, v, scale=0.125, sliding_window=window)
-    assert compile_all(launches) == {"_write_kv_kernel", "_decode_split_kernel", "_merge_splits_kernel"}
+    write = "_write_int8_kernel" if kv_dtype == torch.int8 else "_write_kv_kernel"
+    assert compile_all(launches) == {write, "_decode_split_kernel", "_merge_splits_kernel"}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

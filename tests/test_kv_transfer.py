@@ -216,3 +216,46 @@ def try_lock(engine: Engine) -> bool:
         return False
     engine._lock.release()
     return True
+
+
+def test_int8_entries_cross_the_handoff_bit_for_bit_whatever_the_page_size(tiny_llama_dir):
+    """INT8 prefill -> INT8 decode with another page size: every entry arrives with its codes and its own
+    scale, never requantised, and decoding continues as one engine with the decode pool's pages does."""
+    p = prompt(seed=6, n=29)
+    prefill = make_engine(tiny_llama_dir, kv_cache_dtype="int8", max_num_batched_tokens=6)
+    decode = make_engine(tiny_llama_dir, kv_cache_dtype="int8", page_size=8)
+    events = []
+    prefill.add_request(
+        p,
+        SamplingParams(temperature=0, max_tokens=1),
+        request_id="source",
+        export_kv="int8",
+        on_event=events.append,
+    )
+    prefill.step()
+    source_pages = list(prefill._requests["source"].table.pages)
+    while prefill.has_unfinished():
+        prefill.step()
+    block = events[-1].kv
+    assert block.kv_format == "int8" and block.k_scale is None and block.head_dim == 16
+    sent_k, sent_v, _, _ = stored(prefill, source_pages, len(p))
+    assert torch.equal(block.k, sent_k) and torch.equal(block.v, sent_v)
+    pages, _ = imported(decode, p, block)
+    got_k, got_v, _, _ = stored(decode, pages, len(p))
+    assert torch.equal(got_k, sent_k) and torch.equal(got_v, sent_v)
+    decode.abort("again")
+    assert decode.stats()["integrity_mismatches"] == 0
+
+
+def test_bf16_prefill_hands_int8_entries_to_an_int8_pool(tiny_llama_dir):
+    p = prompt(seed=7)
+    prefill = make_engine(tiny_llama_dir)
+    int8_block, tokens = handoff(prefill, make_engine(tiny_llama_dir, kv_cache_dtype="int8"), p, "int8")
+    bf16_block, _ = handoff(prefill, make_engine(tiny_llama_dir, kv_cache_dtype="bf16"), p, "bf16")
+    assert int8_block.k.dtype == torch.int8 and int8_block.k.shape[-1] == 16 + 2
+    assert len(tokens) == PARAMS.max_tokens
+    k8, v8 = int8_block.dequantized()
+    for x8, x16 in ((k8, bf16_block.dequantized()[0]), (v8, bf16_block.dequantized()[1])):
+        # Each entry within half a code of its own amax / 127, plus the bf16 block's own rounding.
+        step = x16.abs().amax(-1, keepdim=True) / 127
+        assert ((x8 - x16).abs() <= step * 0.51 + x16.abs() * 2**-8).all()

@@ -74,8 +74,7 @@ class Engine:
         # The last page may be kept aside as a scratch page, never handed to a sequence: CUDA graphs' padded
         # rows write there, and with it FP8 pages with dynamic scales open without a masked write, which on a
         # GPU reads the mask's count back to the host (a sync per layer and tensor, every step).
-        opens_pages = self.cache.quantized and self.cache.static_scales is None
-        if config.cuda_graphs or (opens_pages and torch.device(config.device).type == "cuda"):
+        if config.cuda_graphs or (self.cache.opens_pages and torch.device(config.device).type == "cuda"):
             if num_pages < 2:
                 raise ValueError(
                     f"kv_budget_bytes={config.kv_budget_bytes} holds one KV page; this engine keeps one aside "

@@ -33,7 +33,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     device: str = "cpu"
     seed: int = 0
-    kv_cache_dtype: str = "auto"  # auto (= dtype, unquantised), bf16 or fp8_e4m3
+    # auto (= dtype, unquantised), bf16, int8 (8-bit codes, each entry with its own scale) or fp8_e4m3
+    kv_cache_dtype: str = "auto"
     # auto (= whatever the checkpoint holds), bf16 (unquantised, in dtype), fp8 or int4 (an unquantised
     # checkpoint is quantised as it loads); independent of the KV format
     weights: str = "auto"
@@ -48,8 +49,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {['auto', *sorted(DTYPES)]}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "bf16", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be auto, bf16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bf16", "int8", "fp8_e4m3"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, bf16, int8 or fp8_e4m3, got {self.kv_cache_dtype!r}"
+            )
         if self.weights not in ("auto", "bf16", "fp8", "int4"):
             raise ValueError(f"weights must be auto, bf16, fp8 or int4, got {self.weights!r}")
         if self.kv_scales is not None and self.kv_cache_dtype != "fp8_e4m3":
@@ -74,7 +77,7 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's element type: the model's dtype for "auto", else the named format."""
-        named = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+        named = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
         return named.get(self.kv_cache_dtype, self.torch_dtype)
 
 

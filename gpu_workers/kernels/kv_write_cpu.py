@@ -1,4 +1,6 @@
-"""FP8 KV write on the CPU: open pages (dynamic scales), quantise and scatter new K or V in one call.
+"""FP8 and INT8 KV writes on the CPU: quantise and scatter new K or V in one numba call.
+
+FP8: open pages (dynamic scales), quantise and scatter in one call.
 
 The torch path (``KVCache._open_pages`` + ``kv_write.write_kv_reference``) takes some 15 tensor ops and a
 scalar fp8 cast per write, ~70 µs for a 32-token decode step's K or V on this CPU; every layer writes
@@ -6,6 +8,9 @@ both, every step. Here one pass finds the sequences that open a page (write its 
 new tokens' amax, their pages get ``max(inherited scale, smallest power of two >= amax / 448)``, and one
 pass writes every token as the e4m3 bits of ``x / page scale`` saturated at ±448, rounded to nearest even
 as torch's cast rounds. Bit-identical to the torch path (tests/test_kernels.py).
+
+INT8: every (token, KV head) entry gets its own bf16 scale from its amax and its codes rounded to nearest
+even, as ``formats.kv_int8.quantize_int8_entries`` computes them; bit-identical to it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numpy as np
 import torch
 
 from gpu_workers.formats.fp8 import FP8_MAX, MIN_AMAX
+from gpu_workers.formats.kv_int8 import INT8_MAX
 from gpu_workers.kernels.numba_bits import as_float32, as_uint32, widen
 
 _JIT = {"nogil": True, "boundscheck": False, "cache": True}  # no fastmath: every rounding is the spec's
@@ -22,6 +28,7 @@ _FP8_MAX = np.float32(FP8_MAX)
 _MIN_AMAX = np.float32(MIN_AMAX)
 _MIN_NORMAL = np.float32(2.0**-6)  # e4m3's smallest normal value
 _SUBNORMAL_STEPS = np.float32(2.0**9)  # e4m3 subnormals are multiples of 2^-9
+_INT8_MAX = np.float32(INT8_MAX)
 
 
 @numba.njit(inline="always", **_JIT)
@@ -82,6 +89,29 @@ def _write(x, slots, slot_mapping, page_scale, page_size, token_seq, prev_page, 
 
 
 @numba.njit(**_JIT)
+def _write_int8(x, slots, slot_mapping):
+    """x [T, kv_heads, dim] as INT8 entries [.., dim + 2] at ``slots[slot_mapping]``: codes, then the bf16
+    scale's low and high byte."""
+    tokens, heads, dim = x.shape
+    for t in range(tokens):
+        slot = slot_mapping[t]
+        for h in range(heads):
+            amax = np.float32(0.0)
+            for d in range(dim):
+                amax = max(amax, abs(widen(x[t, h, d])))
+            scale = max(amax, _MIN_AMAX) / _INT8_MAX
+            bits = as_uint32(scale)
+            bf16 = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16  # to nearest even, as torch rounds
+            scale = as_float32(bf16 << 16)
+            for d in range(dim):
+                code = min(max(np.rint(widen(x[t, h, d]) / scale), -_INT8_MAX), _INT8_MAX)
+                slots[slot, h, d] = np.int8(np.int32(code))
+            low, high = np.int32(bf16 & 0xFF), np.int32(bf16 >> 8)
+            slots[slot, h, dim] = np.int8(low - 256 if low > 127 else low)
+            slots[slot, h, dim + 1] = np.int8(high - 256 if high > 127 else high)
+
+
+@numba.njit(**_JIT)
 def _copy(x, slots, slot_mapping):
     """New tokens stored as they are (a BF16 or fp32 cache of the compute dtype)."""
     tokens, heads, dim = x.shape
@@ -120,3 +150,9 @@ def write_kv_fp8_cpu(
         prev_page.contiguous().numpy(),
         dynamic,
     )
+
+
+def write_kv_int8_cpu(x: torch.Tensor, slots: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """x [T, kv_heads, dim] into the int8 ``slots`` [slots, kv_heads, dim + 2] at ``slot_mapping`` as INT8
+    entries (``formats.kv_int8``), bit-identical to ``kv_write.write_kv_reference``."""
+    _write_int8(x.detach().float().contiguous().numpy(), slots.numpy(), slot_mapping.contiguous().numpy())

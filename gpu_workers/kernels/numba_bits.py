@@ -52,7 +52,7 @@ def prefetch(typingctx, array, index):
 def widen(stored):
     """The float32 value of one stored element, typed by what is stored (see the overload): e4m3 bits
     (uint8) as their fields moved into bf16's, exact but 2^120 below their value; bf16 bits (uint16);
-    float32 as it is."""
+    float32 as it is; an int8 code as its integer (the entry's scale applies outside)."""
 
 
 @overload(widen)
@@ -65,6 +65,8 @@ def _widen(stored):
         return lambda stored: as_float32(np.uint32(stored) << 16)
     if stored == types.float32:
         return lambda stored: stored
+    if stored == types.int8:  # an INT8 entry's code
+        return lambda stored: np.float32(stored)
     return None
 
 

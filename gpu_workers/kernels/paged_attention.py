@@ -6,8 +6,8 @@ their block tables and per-step masks; prefill rows one by one). The reference g
 a row needs and dequantises only those, with the per-page scales the cache keeps. Where kernels run, the decode rows (one query each)
 go to ``paged_decode_attention`` instead: reference here, kernel in ``paged_attention_triton``, taking
 tensors a kernel can read: q [B, heads, dim], the layer's cache slots [pages * page_size, kv_heads, dim]
-(BF16 as stored, or FP8 bits with per-page ``k_scale``/``v_scale``), ``block_tables`` [B, max_pages] and
-``seq_lens`` [B].
+(BF16 as stored, FP8 bits with per-page ``k_scale``/``v_scale``, or INT8 entries [.., dim + 2] that carry
+their own scales), ``block_tables`` [B, max_pages] and ``seq_lens`` [B].
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_workers.formats.fp8 import dequantize_fp8_entry
+from gpu_workers.formats.kv_int8 import dequantize_int8_entries, is_int8
 from gpu_workers.kernels import use_cpu_kernels, use_triton
 
 
@@ -57,6 +58,8 @@ def _read(
     slots: torch.Tensor, index: torch.Tensor, page_scale: torch.Tensor | None, pages: torch.Tensor, dim: int
 ) -> torch.Tensor:
     x = slots[index]
+    if is_int8(x.dtype):
+        return dequantize_int8_entries(x, torch.float32)
     if page_scale is None:
         return x.float()
     return dequantize_fp8_entry(x, page_scale[pages][..., None, None], torch.float32, dim)
@@ -170,10 +173,12 @@ def _gather_pages(
     dim: int,
 ) -> torch.Tensor:
     """The pages ``tables`` [B, P] names as [B, P * page_size, kv_heads, dim] in ``dtype``, dequantised if FP8
-    (FP8 slots wider than ``dim`` carry a bf16 tail: ``formats.fp8.dequantize_fp8_entry``)."""
+    (FP8 slots wider than ``dim`` carry a bf16 tail: ``formats.fp8.dequantize_fp8_entry``) or INT8."""
     rows, width = tables.shape
     pages = slots.view(-1, page_size, *slots.shape[1:]).index_select(0, tables.flatten())
-    if page_scale is None:
+    if is_int8(pages.dtype):
+        x = dequantize_int8_entries(pages, dtype)
+    elif page_scale is None:
         x = pages.to(dtype)
     else:
         x = dequantize_fp8_entry(pages, page_scale[tables.flatten()][:, None, None, None], dtype, dim)
@@ -192,10 +197,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """``paged_attention_reference`` with its decode rows on a kernel where kernels run: Triton on CUDA,
     numba on the CPU."""
-    # The decode kernels read whole-entry FP8 or unquantised slots; an entry with a bf16 tail (wider
-    # slots than the queries) stays on the reference.
+    # The decode kernels read whole-entry FP8, INT8 or unquantised slots; an FP8 entry with a bf16 tail
+    # (wider slots than the queries) stays on the reference.
     kernel = use_triton(q.device) or (use_cpu_kernels(q.device) and _cpu_kernel_reads(k_slots, q))
-    if not kernel or meta.decode is None or k_slots.shape[-1] != q.shape[-1]:
+    tail = k_slots.shape[-1] != q.shape[-1] and not is_int8(k_slots.dtype)
+    if not kernel or meta.decode is None or tail:
         return paged_attention_reference(q, k_slots, v_slots, meta, scale, sliding_window, k_scale, v_scale)
     decode = meta.decode
     tables, lens = decode.int32_tables()

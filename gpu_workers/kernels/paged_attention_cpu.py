@@ -3,8 +3,8 @@
 The torch reference gathers every page a group of rows reads into a padded copy per layer, for K and V
 (decoding every gathered e4m3 value first), then runs SDPA over the copy. Here each (row, query head)
 walks its own page table and reads the stored values where they lie: FP8 (e4m3 bits, their fields moved
-into bf16's: exact, 2^120 below their value, given back outside the loops), BF16 (bits shifted into
-fp32's) or fp32, widened inside the dot products rather than into a tile. Scores for four positions are
+into bf16's: exact, 2^120 below their value, given back outside the loops), INT8 codes, BF16 (bits
+shifted into fp32's) or fp32, widened inside the dot products rather than into a tile. Scores for four positions are
 summed at once (four independent reductions), softmax in fp32 over the row's own positions with a
 vectorisable exp, then V four positions at a time; the next pages are prefetched, since a pool's pages
 sit anywhere in memory. A KV head's query heads (its GQA group) are served together, so each K and V
@@ -15,7 +15,8 @@ head's sums keep their order, as in a head-at-a-time walk; fastmath still lets t
 product into an FMA differently per code shape and CPU, so a value may differ from such a walk in its last
 bit (MHA over FP8 pages on an AVX-512 Intel CPU: 0.15% of outputs, by 1 ulp). The page scales multiply a
 page's scores and its probabilities, as the Triton kernel does: scalar multiplies per position, not per
-element. No padding, no mask, no copies.
+element; an INT8 entry's own scale (the bf16 after its codes) multiplies its position's score and
+probability the same way. No padding, no mask, no copies.
 
 Same signature and result as ``paged_attention.paged_decode_attention_reference`` (computed in fp32,
 returned in q's dtype; the exp is within 5 float32 ulps, and probabilities under e^-64 count as 0).
@@ -31,7 +32,7 @@ import numba
 import numpy as np
 import torch
 
-from gpu_workers.kernels.kv_write_cpu import _copy, _write
+from gpu_workers.kernels.kv_write_cpu import _copy, _write, _write_int8
 from gpu_workers.kernels.numba_bits import as_float32, narrow, prefetch, widen
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
@@ -62,7 +63,8 @@ _LN2_LO = np.float32(1.428606765330187e-06)
 _EXP_MIN = np.float32(-64.0)
 _INV_FACTORIAL = [np.float32(1.0 / f) for f in (2, 6, 24, 120, 720, 5040)]
 _C2, _C3, _C4, _C5, _C6, _C7 = _INV_FACTORIAL
-_STORED = (torch.uint8, torch.bfloat16, torch.float32)  # FP8 bits, BF16, fp32
+_STORED = (torch.uint8, torch.int8, torch.bfloat16, torch.float32)  # FP8 bits, INT8 entries, BF16, fp32
+_INT8_SCALE_BYTES = 2  # an INT8 entry's bf16 scale after its codes (formats.kv_int8)
 
 
 @numba.njit(**_JIT)
@@ -93,6 +95,24 @@ def _exp(x):
     p = p * r + np.float32(1.0)
     e = p * as_float32(np.uint32(np.int32(n) + 127) << 23)
     return np.float32(0.0) if below else e
+
+
+@numba.njit(inline="always", **_JIT)
+def _entry_scale(slots, slot, head, dim):
+    """The scale of the INT8 entry at ``slots[slot, head]``: the bf16 in its two bytes after ``dim`` codes."""
+    low = np.uint32(slots[slot, head, dim]) & np.uint32(0xFF)
+    high = np.uint32(slots[slot, head, dim + 1]) & np.uint32(0xFF)
+    return as_float32(((high << 8) | low) << 16)
+
+
+@numba.njit(inline="always", **_JIT)
+def _times_entry_scales(probs, slots, base, start, end, head, dim, t):
+    """Scale every query head's ``probs[:, t:t + end - start]`` by the scales of the INT8 entries at slots
+    ``base + start`` to ``base + end`` of one KV head."""
+    for r in range(start, end):
+        factor = _entry_scale(slots, base + r, head, dim)
+        for g in range(probs.shape[0]):
+            probs[g, t + r - start] *= factor
 
 
 @numba.njit(**_JIT)
@@ -220,7 +240,8 @@ def _accumulate(acc, probs, t, inv, factor, src, first, head):
 
 
 @numba.njit(**_JIT)
-def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, out):
+def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, entries, out):
+    """``entries``: K and V are INT8 entries, each scaled by its own scale (``k_scale``/``v_scale`` are ones)."""
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -267,6 +288,8 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                         for d in range(dim):
                             s += qs[g, d] * vals[0, 0, d]
                         probs[g, t0 + r - lo] = s * factor
+                if entries:
+                    _times_entry_scales(probs, k, base, start, end, h, dim, t0 + start - lo)
             for g in range(group):
                 top = probs[g, 0]
                 for t in range(1, m):
@@ -279,6 +302,13 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                 inv[g] = np.float32(1.0) / total
                 for d in range(dim):
                     acc[g, d] = 0.0
+            if entries:  # each position's V scale on its probabilities (the sums above are without it)
+                for p in range(first, last):
+                    t0 = p * page_size
+                    start, end = max(lo - t0, 0), min(n - t0, page_size)
+                    _times_entry_scales(
+                        probs, v, tables[b, p] * page_size, start, end, h, dim, t0 + start - lo
+                    )
             for p in range(first, last):
                 page, t0 = tables[b, p], p * page_size
                 start, end = max(lo - t0, 0), min(n - t0, page_size)
@@ -304,8 +334,10 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
 
 
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether the kernel reads this cache: FP8 (uint8 bits), BF16 or fp32 slots as wide as the queries."""
-    return k_slots.device.type == "cpu" and k_slots.dtype in _STORED and k_slots.shape[-1] == q.shape[-1]
+    """Whether the kernel reads this cache: FP8 (uint8 bits), BF16 or fp32 slots as wide as the queries, or
+    INT8 entries (their scale after the codes)."""
+    width = q.shape[-1] + (_INT8_SCALE_BYTES if k_slots.dtype == torch.int8 else 0)
+    return k_slots.device.type == "cpu" and k_slots.dtype in _STORED and k_slots.shape[-1] == width
 
 
 def host_array(x: torch.Tensor) -> np.ndarray:
@@ -338,7 +370,7 @@ def paged_decode_attention_cpu(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention_reference`` without gathered copies: [B, heads, dim] in q's dtype.
-    FP8 slots need the layer's per-page ``k_scale`` and ``v_scale`` [pages]."""
+    FP8 slots need the layer's per-page ``k_scale`` and ``v_scale`` [pages]; INT8 entries carry theirs."""
     fp8 = k_slots.dtype == torch.uint8
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("FP8 pages need their per-page k_scale and v_scale")
@@ -358,6 +390,7 @@ def paged_decode_attention_cpu(
         sliding_window or 0,
         *scales,
         _HALF_FP8_OFFSET if fp8 else np.float32(1.0),
+        k_slots.dtype == torch.int8,
         out.numpy(),
     )
     return out.to(q.dtype)
@@ -367,7 +400,7 @@ def paged_decode_attention_cpu(
 
 
 class CacheLayer(NamedTuple):
-    """One layer of a CPU cache as the kernels read it: slots and per-page scales (ones when unquantised)."""
+    """One layer of a CPU cache as the kernels read it: slots and per-page scales (ones but for FP8)."""
 
     k: np.ndarray
     v: np.ndarray
@@ -375,6 +408,7 @@ class CacheLayer(NamedTuple):
     v_scale: np.ndarray
     fp8: bool
     dynamic: bool  # FP8 pages take their scale when opened (no static scales)
+    int8: bool  # INT8 entries, each with its own scale
 
 
 class DecodeStep(NamedTuple):
@@ -396,11 +430,13 @@ def cache_layer(
     num_pages: int,
     dynamic: bool,
 ) -> CacheLayer:
-    """``CacheLayer`` of one layer's slots [slots, kv_heads, dim] and FP8 page scales [pages] (None when
-    unquantised); the arrays share the tensors' memory, so one is made per layer and kept."""
+    """``CacheLayer`` of one layer's slots [slots, kv_heads, dim] and FP8 page scales [pages] (None for
+    other formats); the arrays share the tensors' memory, so one is made per layer and kept."""
     fp8 = k_slots.dtype == torch.uint8
     scales = (host_array(k_scale), host_array(v_scale)) if fp8 else (_unit_scales(num_pages),) * 2
-    return CacheLayer(host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic)
+    return CacheLayer(
+        host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic, k_slots.dtype == torch.int8
+    )
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -426,7 +462,28 @@ def _fp8_step(
     _write(k, layer_k, step_slots, k_scale, page_size, token_seq, prev_page, dynamic)
     _write(v, layer_v, step_slots, v_scale, page_size, token_seq, prev_page, dynamic)
     _decode(
-        q, layer_k, layer_v, tables, lens, page_size, scale, window, k_scale, v_scale, _HALF_FP8_OFFSET, out
+        q,
+        layer_k,
+        layer_v,
+        tables,
+        lens,
+        page_size,
+        scale,
+        window,
+        k_scale,
+        v_scale,
+        _HALF_FP8_OFFSET,
+        False,
+        out,
+    )
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _int8_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out):
+    _write_int8(k, layer_k, step_slots)
+    _write_int8(v, layer_v, step_slots)
+    _decode(
+        q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), True, out
     )
 
 
@@ -434,19 +491,22 @@ def _fp8_step(
 def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out):
     _copy(k, layer_k, step_slots)
     _copy(v, layer_v, step_slots)
-    _decode(q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), out)
+    _decode(
+        q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), False, out
+    )
 
 
 def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window, out) -> None:
-    """Call the FP8 or the plain kernel of ``kernels`` with its own leading arguments ``lead``, then the
-    layer's cache, the step's rows and ``out`` (fp32, what the attention writes)."""
-    fp8_kernel, plain_kernel = kernels
+    """Call the FP8, the INT8 or the plain kernel of ``kernels`` with its own leading arguments ``lead``,
+    then the layer's cache, the step's rows and ``out`` (fp32, what the attention writes)."""
+    fp8_kernel, int8_kernel, plain_kernel = kernels
     rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0, out.numpy())
     if layer.fp8:
         cache = (layer.k, layer.v, layer.k_scale, layer.v_scale, step.slot_mapping, step.page_size)
         fp8_kernel(*lead, *cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
     else:
-        plain_kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
+        kernel = int8_kernel if layer.int8 else plain_kernel
+        kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
 
 
 def write_and_decode_cpu(
@@ -459,12 +519,13 @@ def write_and_decode_cpu(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """A decode-only step's attention for one layer in one kernel call: ``KVCache.write`` of k, v [B,
-    kv_heads, dim] (FP8 pages opened and quantised as ``write_kv_fp8_cpu`` does; unquantised caches take
-    them as they are, so k and v must be in the cache's dtype), then ``paged_decode_attention_cpu`` of q
+    kv_heads, dim] (FP8 pages opened and quantised as ``write_kv_fp8_cpu`` does, INT8 entries as
+    ``write_kv_int8_cpu`` writes them; unquantised caches take them as they are, so k and v must be in the
+    cache's dtype), then ``paged_decode_attention_cpu`` of q
     [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
     out = torch.empty(q.shape, dtype=torch.float32)
     lead = (host_array(q), host_array(k), host_array(v))
-    _run((_fp8_step, _plain_step), lead, layer, step, scale, sliding_window, out)
+    _run((_fp8_step, _int8_step, _plain_step), lead, layer, step, scale, sliding_window, out)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -498,6 +559,12 @@ def _rope_fp8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_int8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
+    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
+    _int8_step(q, k, v, *rest)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
 def _rope_plain_step(qkv, cos, sin, heads, kv_heads, v, *rest):
     q, k = _rotate(qkv, cos, sin, heads, kv_heads)
     _plain_step(q, k, v, *rest)
@@ -523,5 +590,5 @@ def rotate_write_and_decode_cpu(
     v = packed[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)  # a view: no copy
     out = torch.empty((tokens, heads, dim), dtype=torch.float32)
     lead = (packed, cos, sin, heads, kv_heads, v)
-    _run((_rope_fp8_step, _rope_plain_step), lead, layer, step, scale, sliding_window, out)
+    _run((_rope_fp8_step, _rope_int8_step, _rope_plain_step), lead, layer, step, scale, sliding_window, out)
     return out if qkv.dtype == torch.float32 else out.to(qkv.dtype)

@@ -1,10 +1,10 @@
-"""Triton paged decode attention over BF16 or FP8 KV pages (flash-decoding with split KV).
+"""Triton paged decode attention over BF16, FP8 or INT8 KV pages (flash-decoding with split KV).
 
 Program (sequence b, KV head h, split s) computes the query heads that share KV head h together (GQA: the
 KV tile is read once for all of them, padded to 16 rows for ``tl.dot``), over split s of the sequence's
 positions, with an online softmax. FP8 pages are dequantised in registers: the page's K scale multiplies
 the scores and its V scale the probabilities, so a tile costs two scalar multiplies per position, not per
-element. Splits give a batch of few long sequences enough programs to fill the GPU; a second small kernel
+element; INT8 entries the same with each position's own scales (the bf16 after its codes). Splits give a batch of few long sequences enough programs to fill the GPU; a second small kernel
 merges the splits' partial results by their log-sum-exp.
 """
 
@@ -17,6 +17,14 @@ import triton.language as tl
 from gpu_workers.kernels import interpreted
 
 BLOCK_N = 32  # positions per tile
+
+
+@triton.jit
+def _entry_scales(entries, HEAD_DIM: tl.constexpr, mask):
+    """The fp32 scales of the INT8 entries at ``entries`` [BLOCK_N] pointers: the bf16 after their codes."""
+    low = tl.load(entries + HEAD_DIM, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint32)
+    high = tl.load(entries + HEAD_DIM + 1, mask=mask, other=0).to(tl.uint8, bitcast=True).to(tl.uint32)
+    return ((high << 8 | low) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -45,6 +53,7 @@ def _decode_split_kernel(
     GQA: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    INT8: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -94,6 +103,9 @@ def _decode_split_kernel(
         s = s * scale  # [BLOCK_G, BLOCK_N]
         if FP8:
             s = s * tl.load(k_scale_ptr + page, mask=n_mask, other=0.0)[None, :]
+        if INT8:
+            entry = slot * stride_kslot + kv_head * stride_kh
+            s = s * _entry_scales(k_ptr + entry, HEAD_DIM, n_mask)[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -101,6 +113,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
             p = p * tl.load(v_scale_ptr + page, mask=n_mask, other=0.0)[None, :]
+        if INT8:
+            p = p * _entry_scales(v_ptr + entry, HEAD_DIM, n_mask)[None, :]
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -203,6 +217,7 @@ def paged_decode_attention_triton(
         GQA=heads // kv_heads,
         PAGE_SIZE=page_size,
         FP8=fp8,
+        INT8=k_slots.dtype == torch.int8,
         HAS_WINDOW=sliding_window is not None,
         DOT_FP32=q.dtype == torch.float32 or interpreted(),
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),

@@ -23,8 +23,8 @@ from gpu_workers.kv.cache import KVCache, WriteSpans
 # Decode rows gathered together are padded to the longest; rows sorted by length and split into a few
 # groups of at least this many pad far less, for one more attention call per group.
 DECODE_GROUPS, MIN_GROUP_ROWS = 4, 8
-# What the CPU decode kernel reads: FP8 bits, BF16, fp32.
-_KERNEL_STORED = (torch.uint8, torch.bfloat16, torch.float32)
+# What the CPU decode kernel reads: FP8 bits, INT8 entries, BF16, fp32.
+_KERNEL_STORED = (torch.uint8, torch.int8, torch.bfloat16, torch.float32)
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """The KV tensors of one engine: pages of K and V for every layer in the engine's KV format.
 
-Formats: unquantised (``float32``/``bfloat16``/``float16`` elements, stored as they are) or
-``float8_e4m3fn`` (uint8 bits of ``x / scale``, see ``formats``). FP8 scales are per layer for K and V and
-stored per (layer, page), fp32, so that a page always carries the scale it was written with: a prefix
-page shared by later sequences, or handed to another pool, stays readable without its writer.
+Formats: unquantised (``float32``/``bfloat16``/``float16`` elements, stored as they are), ``int8`` (each
+(token, KV head) entry its int8 codes and its own bf16 scale, ``formats.kv_int8``: nothing to open or
+inherit, the scale is the entry's) or ``float8_e4m3fn`` (uint8 bits of ``x / scale``, see ``formats``).
+FP8 scales are per layer for K and V and stored per (layer, page), fp32, so that a page always carries the
+scale it was written with: a prefix page shared by later sequences, or handed to another pool, stays
+readable without its writer.
 
 Where the scales come from:
 - static: a calibration file (``tessera calibrate``) gives one scale per layer for K and V; every page of
@@ -31,9 +33,10 @@ from pathlib import Path
 import torch
 
 from gpu_workers.formats.fp8 import SCALE_DTYPE, fp8_scale_pow2, is_fp8, quantize_fp8_entry, storage_dtype
+from gpu_workers.formats.kv_int8 import is_int8
 from gpu_workers.kernels import use_cpu_kernels
 from gpu_workers.kernels.kv_write import write_kv, write_kv_reference
-from gpu_workers.kernels.kv_write_cpu import write_kv_fp8_cpu
+from gpu_workers.kernels.kv_write_cpu import write_kv_fp8_cpu, write_kv_int8_cpu
 from gpu_workers.kv.scales import KVScales
 from gpu_workers.kv.spec import KVSpec
 
@@ -50,7 +53,7 @@ class KVCache:
     """K and V pages, shape [layers, pages, page_size, kv_heads, head_dim] each.
 
     A token's slot is ``page * page_size + offset``; writes scatter new tokens to their slots. For FP8,
-    ``k_scale``/``v_scale`` [layers, pages] hold each page's scale.
+    ``k_scale``/``v_scale`` [layers, pages] hold each page's scale; INT8 entries hold their own.
     """
 
     def __init__(
@@ -66,6 +69,11 @@ class KVCache:
             raise ValueError(f"page_size must be a positive power of two, got {page_size}")
         if scales is not None and not is_fp8(dtype):
             raise ValueError(f"KV scales only apply to an FP8 KV cache; this cache stores {dtype}")
+        if is_int8(dtype) and spec.bf16_tail:
+            raise ValueError(
+                "an INT8 KV cache quantises whole entries; this model keeps part of each entry in bf16 "
+                "(bf16_tail, e.g. DeepSeek's kv_rope_bf16): use fp8_e4m3 or bf16 KV for it"
+            )
         if isinstance(scales, str | Path):
             scales = KVScales.load(scales)
         if scales is not None and scales.num_layers != spec.num_layers:
@@ -110,7 +118,18 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
+        """Whether values are stored as 8-bit codes (FP8 with page scales, or INT8 entries)."""
+        return is_fp8(self.dtype) or is_int8(self.dtype)
+
+    @property
+    def page_scaled(self) -> bool:
+        """Whether pages carry scales (FP8); INT8 entries carry their own."""
         return is_fp8(self.dtype)
+
+    @property
+    def opens_pages(self) -> bool:
+        """Whether a write that opens a page sets its scale (FP8 without static scales)."""
+        return self.page_scaled and self.static_scales is None
 
     @property
     def capacity_tokens(self) -> int:
@@ -122,17 +141,17 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        scales = self.k_scale.nbytes * self.spec.tensors if self.quantized else 0
+        scales = self.k_scale.nbytes * self.spec.tensors if self.page_scaled else 0
         return self.k.nbytes * self.spec.tensors + scales
 
     @property
     def tail(self) -> int:
         """Values at the end of each entry stored in bf16 (FP8 caches of a spec with ``bf16_tail``)."""
-        return self.spec.bf16_tail if self.quantized else 0
+        return self.spec.bf16_tail if self.page_scaled else 0
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer flattened to slots: [pages * page_size, kv_heads, stored dim], as stored
-        (an FP8 entry with a bf16 tail is ``head_dim + tail`` bytes wide)."""
+        (an FP8 entry with a bf16 tail is ``head_dim + tail`` bytes wide, an INT8 entry ``head_dim + 2``)."""
         width = self.spec.stored_dim(self.dtype)
         k = self.k[layer].view(-1, self.spec.num_kv_heads, width)
         v = self.v[layer].view(-1, self.spec.num_kv_heads, width)
@@ -151,8 +170,8 @@ class KVCache:
         return self._host_layers[layer]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per-page K and V scales [pages] of one layer; None for an unquantised cache."""
-        if not self.quantized:
+        """Per-page K and V scales [pages] of one layer; None for a cache without page scales."""
+        if not self.page_scaled:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
 
@@ -171,9 +190,13 @@ class KVCache:
         """
         k_slots, v_slots = self.layer(layer)
         writes = [(k, k_slots, self.k_scale), (v, v_slots, self.v_scale)][: self.spec.tensors]
-        if not self.quantized:
+        if not self.page_scaled:  # stored as they are, or as INT8 entries that scale themselves
+            cpu_int8 = self.quantized and use_cpu_kernels(slot_mapping.device)
             for x, slots, _ in writes:
-                write_kv(x, slots, slot_mapping, None, self.page_size)
+                if cpu_int8:
+                    write_kv_int8_cpu(x, slots, slot_mapping)
+                else:
+                    write_kv(x, slots, slot_mapping, None, self.page_size)
             return
         if slot_mapping.numel() == 0:
             return

@@ -2,16 +2,18 @@
 
 A ``KVBlock`` holds the first ``num_tokens`` tokens of a sequence, free of any page layout except one thing:
 an FP8 block keeps the scale every page was written with, one per (layer, page of ``page_size`` tokens) for
-K and V, so FP8 travels bit for bit and is never quantised a second time. A cache whose values are its keys
+K and V, so FP8 travels bit for bit and is never quantised a second time. An INT8 block is its entries as
+stored, each with its own scale: bit for bit into any INT8 cache, whatever its page size. A cache whose values are its keys
 (``KVSpec.v_is_k``: MLA's latent entry) sends that one tensor once: the block's ``v`` and ``v_scale`` are
 None.
 
 The steps are split so that an engine holds its lock only for plain copies:
 - ``read_pages`` (under the sending engine's lock): the tokens as the cache stores them, with their pages'
   scales; a copy, because the pages are freed right after.
-- ``convert`` (outside it): into the receiving pool's format. FP8 to FP8 changes nothing; an unquantised
-  block quantised to FP8 gets one power-of-two scale per layer from its own amax, the scale the receiving
-  cache would give a prompt written in one step (the dynamic scheme of ``kv.cache``).
+- ``convert`` (outside it): into the receiving pool's format. A format to itself changes nothing; an
+  unquantised block quantised to FP8 gets one power-of-two scale per layer from its own amax, the scale the
+  receiving cache would give a prompt written in one step (the dynamic scheme of ``kv.cache``); to INT8,
+  the entries the receiving cache would write.
 - ``for_cache`` (outside the receiving engine's lock): checked against the cache, and in its format and
   page size; a static-scale FP8 cache requantises to its own scales.
 - ``write_pages`` (under that lock): copy into freshly allocated pages, which carry fresh integrity tags.
@@ -31,10 +33,18 @@ from gpu_workers.formats.fp8 import (
     fp8_scale_pow2,
     quantize_fp8_entry,
 )
+from gpu_workers.formats.kv_int8 import SCALE_BYTES, dequantize_int8_entries, quantize_int8_entries
 from gpu_workers.kv.cache import KVCache
 
-KV_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": FP8_DTYPE}
+KV_FORMATS = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "fp8_e4m3": FP8_DTYPE,
+}
 FP8 = "fp8_e4m3"
+INT8 = "int8"
 
 
 class InvalidKVBlock(ValueError):
@@ -50,7 +60,9 @@ def kv_format_name(dtype: torch.dtype) -> str:
 class KVBlock:
     kv_format: str
     num_tokens: int
-    k: torch.Tensor  # [layers, tokens, kv_heads, head_dim]; uint8 bits for fp8_e4m3
+    k: (
+        torch.Tensor
+    )  # [layers, tokens, kv_heads, head_dim]; uint8 bits for fp8_e4m3, int8 entries (+2) for int8
     v: torch.Tensor | None  # None: the values are the keys (a v_is_k entry, sent once)
     k_scale: torch.Tensor | None = None  # [layers, pages] fp32, fp8_e4m3 only: each page's scale
     v_scale: torch.Tensor | None = None
@@ -106,11 +118,15 @@ class KVBlock:
 
     @property
     def head_dim(self) -> int:
-        """Values per entry (an FP8 entry with a bf16 tail stores ``head_dim + bf16_tail`` bytes)."""
-        return self.k.shape[-1] - self.bf16_tail
+        """Values per entry (an FP8 entry with a bf16 tail stores ``head_dim + bf16_tail`` bytes, an INT8
+        entry ``head_dim`` codes and its scale)."""
+        return self.k.shape[-1] - (SCALE_BYTES if self.kv_format == INT8 else self.bf16_tail)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as float32 [layers, tokens, kv_heads, head_dim]."""
+        if self.kv_format == INT8:
+            k = dequantize_int8_entries(self.k, torch.float32)
+            return k, (k if self.v is None else dequantize_int8_entries(self.v, torch.float32))
         if self.kv_format != FP8:
             k = self.k.float()
             return k, (k if self.v is None else self.v.float())
@@ -156,6 +172,8 @@ def check(block: KVBlock, spec=None) -> None:
             "do both pools serve the same checkpoint?"
         )
     if block.kv_format != FP8:
+        if block.k_scale is not None or block.v_scale is not None:
+            raise InvalidKVBlock(f"a {block.kv_format} block has no page scales (only fp8_e4m3 blocks do)")
         return
     expected = (k.shape[0], block.num_pages)
     scales = [("k_scale", block.k_scale)] + ([] if block.v_is_k else [("v_scale", block.v_scale)])
@@ -190,7 +208,7 @@ def read_pages(cache: KVCache, pages: list[int], num_tokens: int) -> KVBlock:
     block = KVBlock(
         kv_format_name(cache.dtype), num_tokens, k, v, page_size=cache.page_size, bf16_tail=cache.tail
     )
-    if cache.quantized:
+    if cache.page_scaled:
         held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
         block.k_scale = cache.k_scale[:, held]
         block.v_scale = None if v_is_k else cache.v_scale[:, held]
@@ -198,13 +216,15 @@ def read_pages(cache: KVCache, pages: list[int], num_tokens: int) -> KVBlock:
 
 
 def convert(block: KVBlock, kv_format: str) -> KVBlock:
-    """``block`` in ``kv_format``, on the CPU (for the wire); FP8 stays as it is, scales and all."""
+    """``block`` in ``kv_format``, on the CPU (for the wire); a block already in it stays as it is."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"unknown KV format {kv_format!r}; expected one of {sorted(KV_FORMATS)}")
     if block.kv_format == kv_format:
         return block.to("cpu")
     k, v = block.dequantized()
     v = None if block.v_is_k else v
+    if kv_format == INT8:
+        return _int8_block(k, v, block.page_size).to("cpu")
     if kv_format != FP8:
         dtype = KV_FORMATS[kv_format]
         return KVBlock(
@@ -221,12 +241,16 @@ def for_cache(block: KVBlock, cache: KVCache) -> KVBlock:
     kv_format = kv_format_name(cache.dtype)
     if block.v is not None and cache.spec.v_is_k:  # a sender that sent the shared tensor twice
         block = replace(block, v=None, v_scale=None)
-    if not cache.quantized:
+    if not cache.page_scaled:
         if block.kv_format == kv_format:
-            return block
+            return block  # as stored: unquantised, or INT8 entries with their own scales
         k, v = block.dequantized()
-        v = None if block.v_is_k else _cast(v, cache.dtype)
-        return KVBlock(kv_format, block.num_tokens, k.to(cache.dtype), v, page_size=cache.page_size)
+        v = None if block.v_is_k else v
+        if kv_format == INT8:
+            return _int8_block(k, v, cache.page_size)
+        return KVBlock(
+            kv_format, block.num_tokens, k.to(cache.dtype), _cast(v, cache.dtype), page_size=cache.page_size
+        )
     static = cache.static_scales
     same_layout = block.page_size == cache.page_size and block.bf16_tail == cache.tail
     if block.kv_format == FP8 and same_layout and static is None:
@@ -244,7 +268,7 @@ def for_cache(block: KVBlock, cache: KVCache) -> KVBlock:
 def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
     """Copy a ``for_cache`` block into ``pages`` (allocated for at least ``block.num_tokens`` tokens)."""
     if block.kv_format != kv_format_name(cache.dtype) or (
-        cache.quantized and (block.page_size, block.bf16_tail) != (cache.page_size, cache.tail)
+        cache.page_scaled and (block.page_size, block.bf16_tail) != (cache.page_size, cache.tail)
     ):
         raise InvalidKVBlock(
             f"a {block.kv_format} block of page size {block.page_size} (bf16 tail {block.bf16_tail}) cannot "
@@ -258,11 +282,17 @@ def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
     _flat(cache, cache.k)[:, slots] = block.k
     if not cache.spec.v_is_k:  # else V is K's own tensor, written just now
         _flat(cache, cache.v)[:, slots] = block.v
-    if cache.quantized:
+    if cache.page_scaled:
         held = torch.tensor(pages[: block.num_pages], dtype=torch.long, device=device)
         cache.k_scale[:, held] = block.k_scale
         if not cache.spec.v_is_k:
             cache.v_scale[:, held] = block.v_scale
+
+
+def _int8_block(k: torch.Tensor, v: torch.Tensor | None, page_size: int) -> KVBlock:
+    """An INT8 block of float K/V (V absent when the values are the keys): the entries a cache writes."""
+    v_entries = None if v is None else quantize_int8_entries(v)
+    return KVBlock(INT8, k.shape[1], quantize_int8_entries(k), v_entries, page_size=page_size)
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

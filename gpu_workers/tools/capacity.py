@@ -12,7 +12,8 @@ KV bytes per token (``KVEntry``) come from the cache entry the engine allocates 
 own declaration (``cache_entry(config)``, a ``kv.KVSpec``) priced by ``KVSpec.page_bytes``, the KV cache's
 own arithmetic. MHA/GQA caches K and V per KV head; MLA (DeepSeek-V3, Kimi K2) one latent vector plus the
 rope part of the key per layer, in one tensor. ``fp8_e4m3`` costs 1 byte per element plus an fp32 scale
-per stored tensor per (layer, page): K and V, or the latent's one. GLM-5 (``GlmMoeDsaForCausalLM``), which
+per stored tensor per (layer, page): K and V, or the latent's one; ``int8`` 1 byte per element plus a bf16
+scale per entry (per token, layer, stored tensor and KV head). GLM-5 (``GlmMoeDsaForCausalLM``), which
 the engine does not serve yet, is planned with a declared latent + rope + DSA indexer key entry.
 
 Tensor parallelism over N GPUs: weights split evenly; KV heads split over GPUs up to the number of KV
@@ -39,8 +40,9 @@ from gpu_workers.model.loader import MODEL_CLASSES
 from gpu_workers.quant.config import QuantConfig
 
 GIB = 2**30
-KV_FORMATS = ("bf16", "fp8_e4m3")
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": FP8_DTYPE}  # what the engine's KVCache stores
+KV_FORMATS = ("bf16", "int8", "fp8_e4m3")
+# what the engine's KVCache stores
+KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": FP8_DTYPE}
 WEIGHT_FORMATS = ("bf16", "fp8", "int4")
 INT4_GROUP = 128
 
@@ -507,12 +509,12 @@ def format_table(
         f"{gpus} GPU(s) x {memory_gib:g} GiB{reserve}, tensor parallel; "
         "tokens = KV tokens the deployment holds at once",
         "",
-        f"{'weights':<8}{'weights/GPU':>13}{'free/GPU':>11}{'bf16 KV tokens':>17}{'fp8_e4m3 KV tokens':>21}"
-        f"{'fp8/bf16':>10}",
+        f"{'weights':<8}{'weights/GPU':>13}{'free/GPU':>11}{'bf16 KV tokens':>17}{'int8 KV tokens':>17}"
+        f"{'fp8_e4m3 KV tokens':>21}{'fp8/bf16':>10}",
     ]
     by_format = {(r.weight_format, r.kv_format): r for r in rows}
     for fmt in WEIGHT_FORMATS:
-        bf16, fp8 = by_format[fmt, "bf16"], by_format[fmt, "fp8_e4m3"]
+        bf16, int8, fp8 = (by_format[fmt, kv] for kv in KV_FORMATS)
         if not (bf16.fits or fp8.fits):
             short = -bf16.free_gib_per_gpu
             lines.append(
@@ -523,11 +525,12 @@ def format_table(
         ratio = f"{fp8.tokens / bf16.tokens:.3f}" if bf16.tokens else "-"
         lines.append(
             f"{fmt:<8}{bf16.weight_gib_per_gpu:>9.1f} GiB{bf16.free_gib_per_gpu:>7.1f} GiB"
-            f"{bf16.tokens:>17,}{fp8.tokens:>21,}{ratio:>10}"
+            f"{bf16.tokens:>17,}{int8.tokens:>17,}{fp8.tokens:>21,}{ratio:>10}"
         )
-    bf16_row, fp8_row = by_format["bf16", "bf16"], by_format["bf16", "fp8_e4m3"]
+    bf16_row, int8_row, fp8_row = (by_format["bf16", kv] for kv in KV_FORMATS)
     lines.append(
         f"KV bytes per token per GPU: bf16 {bf16_row.kv_bytes_per_token_per_gpu:,.1f}, "
+        f"int8 {int8_row.kv_bytes_per_token_per_gpu:,.1f} (incl. a bf16 scale per entry), "
         f"fp8_e4m3 {fp8_row.kv_bytes_per_token_per_gpu:,.1f} (incl. fp32 scales per layer and page)"
     )
     rope_bf16 = kv.rope_bf16_bytes_per_token(gpus, bf16_row.page_size)
