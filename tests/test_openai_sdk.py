@@ -244,7 +244,7 @@ def test_max_tokens_over_the_limit_and_prompt_over_the_context_are_bad_requests(
         client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=100_000)
     assert info.value.code == "max_tokens_too_large"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=DEFAULT_MODEL, prompt="word " * 5000)
+        client.completions.create(model=DEFAULT_MODEL, prompt="word " * 10_000)  # past 8,192 tokens
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user"}], temperature="hot")
