@@ -51,7 +51,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "served: dtype=bfloat16 alone is the bf16-vs-fp32 floor the others are read against. --text python "
         "(the default otherwise): the held-out standard-library files (the training split's rule), "
         "greedy continuations and the valid-Python share of sampled completions; intervals over files. "
-        "A variant is KEY=VALUE[+KEY=VALUE] with KEY kv (auto, bf16, fp8_e4m3), weights (bf16, fp8, int4: "
+        "A variant is KEY=VALUE[+KEY=VALUE] with KEY kv (auto, bf16, int8, fp8_e4m3), weights (bf16, fp8, int4: "
         "a GGUF's Q4_0/Q4_1 as stored, other weights quantised to int4 groups of 128) or dtype (bfloat16, "
         "float16, float32); a variant that cannot load reports its error and the others still run.",
     )
