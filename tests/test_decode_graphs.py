@@ -42,7 +42,7 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> list
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8"])
 def test_decode_from_static_buffers_gives_the_ordinary_steps_tokens(
     tiny_llama_dir, monkeypatch, kernels, kv_cache_dtype
 ):
@@ -91,7 +91,7 @@ def check_buffers(static: DecodeGraphs, batch) -> None:
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "int8"])
 def test_every_static_step_computes_the_ordinary_steps_logits(
     tiny_llama_dir, monkeypatch, kernels, kv_cache_dtype
 ):

@@ -295,7 +295,7 @@ def test_a_decode_step_in_one_cpu_call_equals_rotate_write_then_attend(
     """A decode-only step's attention on the CPU, one kernel call per layer: from q/k/v as the model hands
     them over (views into one fused projection output), or from that output with the rotation inside the
     call. Both leave the cache (scales included) and the output bit for bit as the rotation, the write
-    and the attention apart do."""
+    and the attention apart do (INT8: the keys' and queries' Hadamard rotation inside the call too)."""
     import gpu_workers.kernels.paged_attention_cpu as cpu
     from gpu_workers.checkpoint import RopeConfig
     from gpu_workers.kv import PagedAttention
@@ -331,7 +331,10 @@ def test_a_decode_step_in_one_cpu_call_equals_rotate_write_then_attend(
         )
         apart = caches[2]
         apart.write(layer, k, v, meta.slot_mapping, meta.spans)
-        expected = paged_attention(q, *apart.layer(layer), meta, 0.25, window, *apart.layer_scales(layer))
+        queries, scale = apart.queries(q, 0.25)  # INT8 keys are stored rotated, and read by rotated queries
+        expected = paged_attention(
+            queries, *apart.layer(layer), meta, scale, window, *apart.layer_scales(layer)
+        )
         assert called.dtype == rotated.dtype == dtype
         assert torch.equal(called, expected) and torch.equal(rotated, expected)
     assert calls == ["write_and_decode_cpu", "rotate_write_and_decode_cpu"] * 2

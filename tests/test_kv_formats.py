@@ -16,7 +16,7 @@ import torch
 from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.engine.runner import forward_sequence
 from gpu_workers.formats.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_scale_pow2
-from gpu_workers.formats.kv_int8 import quantize_int8_entries
+from gpu_workers.formats.kv_int8 import dequantize_int8_entries, hadamard, quantize_int8_entries
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention
 from gpu_workers.kv.scales import KVScales
 from gpu_workers.model import load_model
@@ -175,6 +175,36 @@ def test_int8_entries_do_not_depend_on_prefill_chunking_or_batch(tiny_llama_dir)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     k = torch.randn(6, 2, 16)
     assert torch.equal(quantize_int8_entries(k)[2:4], quantize_int8_entries(k[2:4]))
+
+
+def test_int8_keys_are_stored_rotated_and_read_by_rotated_queries():
+    # head_dim 24: Hadamard blocks of 8. Scores through the rotation equal q . k to float rounding; the
+    # stored keys are the rotated ones, within half a code of their entry's amax / 127.
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=24)
+    cache = KVCache(spec, num_pages=2, page_size=4, dtype=torch.int8)
+    assert cache.key_block == 8
+    gen = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(5, 2, 24, generator=gen) for _ in range(3))
+    k[:, :, 3] += 20.0  # one loud channel, as RoPE's slow pairs make
+    cache.write(0, k, v, torch.arange(5))
+    k_slots, v_slots = cache.layer(0)
+    rotated = hadamard(k, 8)
+    assert torch.allclose(hadamard(rotated, 8), 8 * k, atol=1e-4)
+    stored = dequantize_int8_entries(k_slots[:5], torch.float32)
+    step = rotated.abs().amax(-1, keepdim=True) / 127
+    assert ((stored - rotated).abs() <= step * (0.5 + 2**-8)).all()
+    # The loud channel spreads over its block: relative to the entry's length, its amax (what sets the
+    # code step) drops from ~0.97 to ~0.4.
+    peak = rotated.abs().amax(-1) / rotated.norm(dim=-1)
+    assert (peak < 0.5 * k.abs().amax(-1) / k.norm(dim=-1)).all()
+    queries, scale = cache.queries(q, 0.25)
+    assert scale == 0.25 / 8
+    through = torch.einsum("thd,shd->ths", queries, rotated) * scale
+    assert torch.allclose(through, torch.einsum("thd,shd->ths", q, k) * 0.25, atol=1e-4)
+    assert torch.equal(
+        dequantize_int8_entries(v_slots[:5], torch.float32),
+        dequantize_int8_entries(quantize_int8_entries(v), torch.float32),
+    )  # values as they are
 
 
 def test_fp8_engine_generates_and_stores_uint8_pages(tiny_llama_dir):

@@ -10,7 +10,8 @@ pass writes every token as the e4m3 bits of ``x / page scale`` saturated at ±44
 as torch's cast rounds. Bit-identical to the torch path (tests/test_kernels.py).
 
 INT8: every (token, KV head) entry gets its own bf16 scale from its amax and its codes rounded to nearest
-even, as ``formats.kv_int8.quantize_int8_entries`` computes them; bit-identical to it.
+even, as ``formats.kv_int8.quantize_int8_entries`` computes them; bit-identical to it. ``_hadamard`` is
+``formats.kv_int8.hadamard``'s butterflies in the same order (the same bits), for the fused decode step.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def _write_int8(x, slots, slot_mapping):
             low, high = np.int32(bf16 & 0xFF), np.int32(bf16 >> 8)
             slots[slot, h, dim] = np.int8(low - 256 if low > 127 else low)
             slots[slot, h, dim + 1] = np.int8(high - 256 if high > 127 else high)
+
+
+@numba.njit(**_JIT)
+def _hadamard(x, block):
+    """float32 x [T, heads, dim] times the block-diagonal Hadamard matrix of ``block``-sized ±1 blocks, in
+    place (``formats.kv_int8.hadamard``)."""
+    tokens, heads, dim = x.shape
+    h = 1
+    while h < block:
+        for t in range(tokens):
+            for head in range(heads):
+                for i in range(0, dim, 2 * h):
+                    for j in range(i, i + h):
+                        low, high = x[t, head, j], x[t, head, j + h]
+                        x[t, head, j] = low + high
+                        x[t, head, j + h] = low - high
+        h *= 2
 
 
 @numba.njit(**_JIT)

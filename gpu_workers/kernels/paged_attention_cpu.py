@@ -32,7 +32,7 @@ import numba
 import numpy as np
 import torch
 
-from gpu_workers.kernels.kv_write_cpu import _copy, _write, _write_int8
+from gpu_workers.kernels.kv_write_cpu import _copy, _hadamard, _write, _write_int8
 from gpu_workers.kernels.numba_bits import as_float32, narrow, prefetch, widen
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
@@ -409,6 +409,7 @@ class CacheLayer(NamedTuple):
     fp8: bool
     dynamic: bool  # FP8 pages take their scale when opened (no static scales)
     int8: bool  # INT8 entries, each with its own scale
+    key_block: int  # INT8 keys are stored Hadamard-rotated in blocks of this size (1: not rotated)
 
 
 class DecodeStep(NamedTuple):
@@ -429,14 +430,15 @@ def cache_layer(
     v_scale: torch.Tensor | None,
     num_pages: int,
     dynamic: bool,
+    key_block: int = 1,
 ) -> CacheLayer:
     """``CacheLayer`` of one layer's slots [slots, kv_heads, dim] and FP8 page scales [pages] (None for
-    other formats); the arrays share the tensors' memory, so one is made per layer and kept."""
+    other formats), with ``KVCache.key_block``; the arrays share the tensors' memory, so one is made per
+    layer and kept."""
     fp8 = k_slots.dtype == torch.uint8
     scales = (host_array(k_scale), host_array(v_scale)) if fp8 else (_unit_scales(num_pages),) * 2
-    return CacheLayer(
-        host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic, k_slots.dtype == torch.int8
-    )
+    int8 = k_slots.dtype == torch.int8
+    return CacheLayer(host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic, int8, key_block)
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -479,11 +481,46 @@ def _fp8_step(
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _int8_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out):
-    _write_int8(k, layer_k, step_slots)
+def _rotated(x, block, rounded):
+    """float32 copy of x [T, heads, dim] times the Hadamard blocks (``_hadamard``); ``rounded``: rounded to
+    x's element type and widened back (queries, as ``KVCache.queries`` hands them to the kernel), else left
+    in float32 (keys, as ``KVCache.write`` quantises them)."""
+    out = np.empty(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            for d in range(x.shape[2]):
+                out[t, h, d] = widen(x[t, h, d])
+    _hadamard(out, block)
+    if rounded:
+        for t in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for d in range(x.shape[2]):
+                    out[t, h, d] = widen(narrow(out[t, h, d], x))
+    return out
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _int8_step(
+    q, k, v, layer_k, layer_v, ones, block, step_slots, page_size, tables, lens, scale, window, out
+):
+    """INT8: keys and queries rotated (``block``; ``scale`` already divided by it), then write and attend."""
+    _write_int8(_rotated(k, block, False), layer_k, step_slots)
     _write_int8(v, layer_v, step_slots)
+    queries = _rotated(q, block, True)
     _decode(
-        q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), True, out
+        queries,
+        layer_k,
+        layer_v,
+        tables,
+        lens,
+        page_size,
+        scale,
+        window,
+        ones,
+        ones,
+        np.float32(1.0),
+        True,
+        out,
     )
 
 
@@ -504,9 +541,12 @@ def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, slidi
     if layer.fp8:
         cache = (layer.k, layer.v, layer.k_scale, layer.v_scale, step.slot_mapping, step.page_size)
         fp8_kernel(*lead, *cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
+    elif layer.int8:  # keys and queries rotated inside: the scale divided by the rotation's size
+        block = layer.key_block
+        cache = (layer.k, layer.v, layer.k_scale, block, step.slot_mapping, step.page_size)
+        int8_kernel(*lead, *cache, step.tables, step.lens, np.float32(scale / block), *rows[3:])
     else:
-        kernel = int8_kernel if layer.int8 else plain_kernel
-        kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
+        plain_kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
 
 
 def write_and_decode_cpu(

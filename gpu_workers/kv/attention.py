@@ -292,6 +292,7 @@ class PagedAttention:
             layer_arrays = self.cache.host_layer(layer)
             return write_and_decode_cpu(q, k, v, layer_arrays, self._decode_step, scale, sliding_window)
         self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
+        q, scale = self.cache.queries(q, scale)
         k_slots, v_slots = self.cache.layer(layer)
         k_scale, v_scale = self.cache.layer_scales(layer)
         return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)

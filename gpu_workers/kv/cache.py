@@ -2,7 +2,8 @@
 
 Formats: unquantised (``float32``/``bfloat16``/``float16`` elements, stored as they are), ``int8`` (each
 (token, KV head) entry its int8 codes and its own bf16 scale, ``formats.kv_int8``: nothing to open or
-inherit, the scale is the entry's) or ``float8_e4m3fn`` (uint8 bits of ``x / scale``, see ``formats``).
+inherit, the scale is the entry's; keys stored Hadamard-rotated, read by queries rotated the same way,
+``queries``) or ``float8_e4m3fn`` (uint8 bits of ``x / scale``, see ``formats``).
 FP8 scales are per layer for K and V and stored per (layer, page), fp32, so that a page always carries the
 scale it was written with: a prefix page shared by later sequences, or handed to another pool, stays
 readable without its writer.
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from gpu_workers.formats.fp8 import SCALE_DTYPE, fp8_scale_pow2, is_fp8, quantize_fp8_entry, storage_dtype
-from gpu_workers.formats.kv_int8 import is_int8
+from gpu_workers.formats.kv_int8 import hadamard, is_int8, rotation_block
 from gpu_workers.kernels import use_cpu_kernels
 from gpu_workers.kernels.kv_write import write_kv, write_kv_reference
 from gpu_workers.kernels.kv_write_cpu import write_kv_fp8_cpu, write_kv_int8_cpu
@@ -82,6 +83,9 @@ class KVCache:
                 "calibrate this model with `tessera calibrate`"
             )
         self.spec = spec
+        # INT8 keys are stored times this block-diagonal Hadamard size (1: not rotated). A latent entry
+        # (v_is_k) is also the values, which stay as they are.
+        self.key_block = rotation_block(spec.head_dim) if is_int8(dtype) and not spec.v_is_k else 1
         self.num_pages = num_pages
         self.page_size = page_size
         self.dtype = dtype
@@ -164,10 +168,23 @@ class KVCache:
             from gpu_workers.kernels.paged_attention_cpu import cache_layer
 
             self._host_layers = [
-                cache_layer(*self.layer(i), *self.layer_scales(i), self.num_pages, self.static_scales is None)
+                cache_layer(
+                    *self.layer(i),
+                    *self.layer_scales(i),
+                    self.num_pages,
+                    self.static_scales is None,
+                    self.key_block,
+                )
                 for i in range(self.spec.num_layers)
             ]
         return self._host_layers[layer]
+
+    def queries(self, q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+        """Queries [T, heads, dim] and the attention scale as this cache's keys are read: rotated as the keys
+        are stored (in q's dtype) with the scale divided by the rotation's size, or as they are."""
+        if self.key_block == 1:
+            return q, scale
+        return hadamard(q, self.key_block).to(q.dtype), scale / self.key_block
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-page K and V scales [pages] of one layer; None for a cache without page scales."""
@@ -183,11 +200,13 @@ class KVCache:
         slot_mapping: torch.Tensor,
         spans: WriteSpans | None = None,
     ) -> None:
-        """Store new tokens' K/V [T, kv_heads, head_dim] at their slots.
+        """Store new tokens' K/V [T, kv_heads, head_dim] at their slots (INT8 keys rotated first).
 
         ``spans`` says which sequence each token belongs to; without it (FP8, dynamic scales) the whole
         write is treated as one sequence with no earlier pages.
         """
+        if self.key_block > 1:
+            k = hadamard(k, self.key_block)
         k_slots, v_slots = self.layer(layer)
         writes = [(k, k_slots, self.k_scale), (v, v_slots, self.v_scale)][: self.spec.tensors]
         if not self.page_scaled:  # stored as they are, or as INT8 entries that scale themselves

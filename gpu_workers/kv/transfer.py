@@ -3,7 +3,8 @@
 A ``KVBlock`` holds the first ``num_tokens`` tokens of a sequence, free of any page layout except one thing:
 an FP8 block keeps the scale every page was written with, one per (layer, page of ``page_size`` tokens) for
 K and V, so FP8 travels bit for bit and is never quantised a second time. An INT8 block is its entries as
-stored, each with its own scale: bit for bit into any INT8 cache, whatever its page size. A cache whose values are its keys
+stored, each with its own scale (keys Hadamard-rotated, as an INT8 cache stores them): bit for bit into
+any INT8 cache, whatever its page size. A cache whose values are its keys
 (``KVSpec.v_is_k``: MLA's latent entry) sends that one tensor once: the block's ``v`` and ``v_scale`` are
 None.
 
@@ -33,7 +34,13 @@ from gpu_workers.formats.fp8 import (
     fp8_scale_pow2,
     quantize_fp8_entry,
 )
-from gpu_workers.formats.kv_int8 import SCALE_BYTES, dequantize_int8_entries, quantize_int8_entries
+from gpu_workers.formats.kv_int8 import (
+    SCALE_BYTES,
+    dequantize_int8_entries,
+    hadamard,
+    quantize_int8_entries,
+    rotation_block,
+)
 from gpu_workers.kv.cache import KVCache
 
 KV_FORMATS = {
@@ -126,7 +133,10 @@ class KVBlock:
         """K and V as float32 [layers, tokens, kv_heads, head_dim]."""
         if self.kv_format == INT8:
             k = dequantize_int8_entries(self.k, torch.float32)
-            return k, (k if self.v is None else dequantize_int8_entries(self.v, torch.float32))
+            if self.v is None:  # a latent entry: its values are its keys, not rotated
+                return k, k
+            block = rotation_block(self.head_dim)  # H H = block * I: rotated back
+            return hadamard(k, block) / block, dequantize_int8_entries(self.v, torch.float32)
         if self.kv_format != FP8:
             k = self.k.float()
             return k, (k if self.v is None else self.v.float())
@@ -290,9 +300,12 @@ def write_pages(cache: KVCache, pages: list[int], block: KVBlock) -> None:
 
 
 def _int8_block(k: torch.Tensor, v: torch.Tensor | None, page_size: int) -> KVBlock:
-    """An INT8 block of float K/V (V absent when the values are the keys): the entries a cache writes."""
-    v_entries = None if v is None else quantize_int8_entries(v)
-    return KVBlock(INT8, k.shape[1], quantize_int8_entries(k), v_entries, page_size=page_size)
+    """An INT8 block of float K/V (V absent when the values are the keys): the entries a cache writes,
+    keys rotated unless they are the values too."""
+    if v is None:
+        return KVBlock(INT8, k.shape[1], quantize_int8_entries(k), None, page_size=page_size)
+    keys = quantize_int8_entries(hadamard(k, rotation_block(k.shape[-1])))
+    return KVBlock(INT8, k.shape[1], keys, quantize_int8_entries(v), page_size=page_size)
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
