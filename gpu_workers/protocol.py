@@ -127,6 +127,15 @@ class Message:
 
 
 @dataclass
+class Grammar(Message):
+    """A constraint on a request's output (``gpu_workers.grammars``): ``kind`` json_schema (``source`` the
+    schema as JSON), json_object (no source), regex or lark."""
+
+    kind: str
+    source: str = ""
+
+
+@dataclass
 class Sampling(Message):
     max_tokens: int
     temperature: float = 1.0
@@ -139,6 +148,7 @@ class Sampling(Message):
     frequency_penalty: float = 0.0  # OpenAI's, -2..2; 0 = off
     presence_penalty: float = 0.0  # OpenAI's, -2..2; 0 = off
     repetition_penalty: float = 1.0  # HF/vLLM's, > 0; 1 = off
+    grammar: Grammar | None = None  # the output must match it (response_format, tool calls)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from gpu_workers.engine import admission
 from gpu_workers.engine.admission import Prompt
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
 from gpu_workers.engine.failures import StepFailures
+from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.engine.params import (
     ENGINE_FAILED,
@@ -100,6 +101,7 @@ class Engine:
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(tokenizer, sorted(eos), model.config.vocab_size)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._default_generator = torch.Generator().manual_seed(config.seed)
@@ -307,6 +309,7 @@ class Engine:
             seq.num_computed += n
             self.pages.publish(seq.table, seq.tokens, seq.num_computed)
         sampling = [batch.seqs[r] for r in rows]
+        logits = self.grammars.mask(logits, [s.matcher for s in sampling])
         tokens = sample(
             logits,
             [s.params for s in sampling],
@@ -516,6 +519,8 @@ class Engine:
         try:
             if kv_import is not None:
                 kv_import = self._prepare_import(kv_import)  # outside the lock: conversion is the costly part
+            if params.grammar is not None:  # outside the lock too: compiling a schema can take a while
+                seq.matcher = self._matcher(params.grammar, prompt, streamed_output)
             with self._lock:
                 self._admit(seq, prompt, tenant, export_kv, kv_import, streamed_output)
         except InvalidRequest as exc:
@@ -527,6 +532,16 @@ class Engine:
                 RequestError("internal_error", f"could not add the request ({type(exc).__name__}: {exc})"),
             )
         return seq
+
+    def _matcher(self, grammar, prompt: Prompt, streamed_output: int):
+        """The grammar's matcher, advanced over the output an earlier phase generated (the prompt's last
+        ``streamed_output`` ids): a request handed from prefill to decode continues its grammar's state."""
+        if self.tokenizer is None:
+            raise InvalidRequest(
+                "grammar_needs_tokenizer", "this model has no tokenizer, so it cannot follow a grammar"
+            )
+        ids = prompt if isinstance(prompt, list) else []
+        return self.grammars.matcher(grammar, ids[len(ids) - streamed_output :] if streamed_output else [])
 
     def _prepare_import(self, block: KVBlock) -> KVBlock:
         try:
@@ -591,12 +606,26 @@ class Engine:
         seq.output_ids.append(token)
         text = ""
         reason = None
+        grammar_done = grammar_failed = False
+        if seq.matcher is not None:
+            grammar_failed = not seq.matcher.consume_token(token)
+            # A grammar that is complete allows nothing but end-of-sequence: the request stops there.
+            grammar_done = seq.matcher.is_stopped()
+        if grammar_failed:
+            self._finish(
+                seq,
+                "error",
+                RequestError("grammar_failed", f"the output left its grammar: {seq.matcher.get_error()}"),
+            )
+            return seq.deliver(seq.event([token], ""))
         if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif seq.detokenizer is not None:
             text = seq.detokenizer.push([token])
             if seq.detokenizer.stopped:
                 reason = "stop"
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and len(seq.output_ids) >= seq.max_tokens:
             reason = "length"
         # An exporting request that reached max_tokens continues elsewhere (add_request): what the

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gpu_workers.engine.dtype import DTYPES, DtypeChoice, resolve_dtype
+from gpu_workers.protocol import Grammar
 
 # The error code of every request of an engine that stopped for good (``Engine.failed``): a device error, or
 # steps that kept failing. A worker reports it as ``worker_lost`` and exits so that it is restarted.
@@ -101,6 +102,9 @@ class SamplingParams:
     # HF/vLLM's: tokens of the prompt or the output have positive logits divided by it and negative ones
     # multiplied; > 0, 1 = off, > 1 discourages repeats.
     repetition_penalty: float = 1.0
+    # The output must match it (``gpu_workers.grammars``): its mask is applied before penalties and sampling,
+    # and the request stops where the grammar is complete.
+    grammar: Grammar | None = None
 
     @property
     def has_penalties(self) -> bool:

@@ -47,6 +47,7 @@ class Sequence:
     # The prompt's last ids that are output an earlier phase generated (prefill's first token, handed to
     # decode): the penalties count them as output, so a disaggregated request samples as a colocated one.
     streamed_output: int = 0
+    matcher: Any = None  # the grammar's llguidance matcher (engine.grammar), advanced by each output token
     # The token ids as int64 arrays for the sampler's penalties, extended by the tokens appended since
     # (output_ids only grow); None until a penalised step first asks.
     _history: tuple[array, array] | None = field(default=None, repr=False)

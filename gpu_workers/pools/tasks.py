@@ -83,6 +83,7 @@ def sampling_params(sampling: Sampling, max_tokens: int | None = None) -> Sampli
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
         repetition_penalty=sampling.repetition_penalty,
+        grammar=sampling.grammar,
     )
 
 

@@ -550,10 +550,16 @@ class WorkersAIShape:
 
     kind: str = "workers_ai"
     cost: Pricing | None = None
+    json_mode: bool = False  # response_format asked for JSON: a complete answer is returned parsed
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
         usage = usage_body(result.usage_or_count(prompt_tokens), self.cost)
-        return workers_ai_envelope({"response": result.text, "usage": usage})
+        answer: Any = result.text
+        if self.json_mode and result.finish_reason == "stop":
+            # Grammar-constrained, so a stopped answer parses; one cut by max_tokens stays text.
+            with contextlib.suppress(ValueError):
+                answer = json.loads(result.text)
+        return workers_ai_envelope({"response": answer, "usage": usage})
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
         return {"response": text} if text else None

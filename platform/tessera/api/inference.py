@@ -32,6 +32,7 @@ from tessera.api.catalog import Catalog, Model
 from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from tessera.api.structured import response_grammar
 from tessera.errors import APIError
 from tessera.models import utcnow
 from tessera.quota_config import PriceCache, PriceVersion, QuotaLookup, charge, max_cost
@@ -130,7 +131,17 @@ class Gateway:
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            grammar=response_grammar(body.response_format)
+            if isinstance(body, ChatCompletionRequest)
+            else None,
         )
+        if sampling.grammar is not None and model.tokenizer is None:
+            raise APIError(
+                400,
+                "response_format needs a tokenizer, which this model lacks",
+                "no_tokenizer",
+                param="response_format",
+            )
         if sampling.stop and model.tokenizer is None:
             raise APIError(
                 400, "stop strings need a tokenizer, which this model lacks", "no_tokenizer", param="stop"

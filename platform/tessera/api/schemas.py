@@ -150,9 +150,37 @@ class GenerationRequest(_Strict):
         return self.max_tokens
 
 
+class JsonSchemaFormat(_Strict):
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = None
+    # The JSON Schema the answer must match (the subset README "Structured outputs" lists).
+    schema_: dict[str, Any] = Field(alias="schema")
+    # OpenAI's strict mode; the schema is always enforced here (grammar-constrained), so both are accepted.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema; both JSON kinds
+    are enforced by a grammar on the model's tokens, never by asking nicely."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError(
+                "response_format of type 'json_schema' needs a 'json_schema' object with a 'schema'"
+            )
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format of type {self.type!r} takes no 'json_schema'")
+        return self
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI's newer name wins when both are sent, as in OpenAI's API.

@@ -111,6 +111,29 @@ class RunOptions(BaseModel):
     rejectIfBusy: bool = False  # noqa: N815 (Workers AI's spelling)
 
 
+class RunResponseFormat(BaseModel):
+    """Workers AI's JSON mode: ``json_object``, or ``json_schema`` with the JSON Schema itself as
+    ``json_schema`` (OpenAI wraps it in ``{"name", "schema"}``; Workers AI does not)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_json_schema(self) -> RunResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(
+                "response_format needs 'json_schema' (a JSON Schema) exactly when its type is 'json_schema'"
+            )
+        return self
+
+    def as_openai(self) -> dict[str, Any]:
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": "workers_ai", "schema": self.json_schema}}
+
+
 class RunRequest(BaseModel):
     """A text-generation request as Workers AI takes it: ``prompt`` or ``messages``, not both."""
 
@@ -128,6 +151,7 @@ class RunRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     stream: bool = False
     options: RunOptions | None = None
+    response_format: RunResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
@@ -201,7 +225,7 @@ class Usage(BaseModel):
 
 
 class RunResult(BaseModel):
-    response: str
+    response: str | dict[str, Any] | list[Any]  # JSON mode: the answer parsed
     usage: Usage
 
 
@@ -282,7 +306,17 @@ def _openai_request(model: str, body: RunRequest) -> ChatCompletionRequest | Com
     }
     try:
         if body.messages is not None:
-            return ChatCompletionRequest.model_validate({**common, "messages": body.messages})
+            fmt = body.response_format.as_openai() if body.response_format else None
+            return ChatCompletionRequest.model_validate(
+                {**common, "messages": body.messages, "response_format": fmt}
+            )
+        if body.response_format is not None:
+            raise APIError(
+                400,
+                "response_format (JSON mode) needs 'messages'; send the request as a chat",
+                "invalid_request",
+                param="response_format",
+            )
         return CompletionRequest.model_validate({**common, "prompt": body.prompt})
     except ValidationError as e:
         raise validation_error(e.errors()) from None
@@ -339,7 +373,8 @@ async def run_model(
     prepared = await gw.prepare_for(request, openai_body)
     kind = "chat" if isinstance(openai_body, ChatCompletionRequest) else "text"
     reject = bool(body.options and body.options.rejectIfBusy)
-    return await gw.serve(request, caller, prepared, kind, streaming.WorkersAIShape(), reject_if_busy=reject)
+    shape = streaming.WorkersAIShape(json_mode=body.response_format is not None)
+    return await gw.serve(request, caller, prepared, kind, shape, reject_if_busy=reject)
 
 
 # --- async batches --------------------------------------------------------------------------------------
