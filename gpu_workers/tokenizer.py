@@ -106,9 +106,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``; it already holds any BOS the template writes, so encode it with
-        ``add_special_tokens=False`` to avoid a second one."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (and ``tools``, OpenAI's tool objects, as transformers passes
+        them); it already holds any BOS the template writes, so encode it with ``add_special_tokens=False``
+        to avoid a second one."""
         if self.chat_template is None:
             raise ChatTemplateError(
                 "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
@@ -118,13 +124,31 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes the ``tools`` it is given into the prompt."""
+        if self.chat_template is None:
+            return False
+        probe = [{"role": "user", "content": "x"}]
+        tool = {"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {}}}
+        try:
+            return self.apply_chat_template(probe, tools=[tool]) != self.apply_chat_template(probe)
+        except ChatTemplateError:
+            return False
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the chat prompt for ``messages``, where a message's text never becomes a control token.
 
         Encoding the rendered prompt as one string (as Hugging Face does) turns a user's literal ``<s>`` or
@@ -133,7 +157,7 @@ class Tokenizer:
         text is encoded apart from the template's, with special tokens matched as plain text. A template that
         rewrites the text it is given (so the two cannot be told apart) makes such a message a
         ChatTemplateError instead."""
-        text = check_text(self.apply_chat_template(messages, add_generation_prompt))
+        text = check_text(self.apply_chat_template(messages, add_generation_prompt, tools))
         contents = [m.get("content") for m in messages]
         forged = sorted({s for c in contents if isinstance(c, str) for s in self._special_texts if s in c})
         if not forged:
@@ -142,7 +166,7 @@ class Tokenizer:
             {**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} if isinstance(m.get("content"), str) else m
             for i, m in enumerate(messages)
         ]
-        pieces = _MARKS.split(self.apply_chat_template(marked, add_generation_prompt))
+        pieces = _MARKS.split(self.apply_chat_template(marked, add_generation_prompt, tools))
         markup, indices = pieces[0::2], [int(i) for i in pieces[1::2]]
         rebuilt = markup[0] + "".join(
             contents[i] + after for i, after in zip(indices, markup[1:], strict=True)

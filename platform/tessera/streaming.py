@@ -44,6 +44,8 @@ from gpu_workers.protocol import (
 )
 from tessera import routing
 from tessera.errors import APIError
+from tessera.tool_calls import Delta, ToolCallParser, parse_message
+from tessera.tool_calls import Message as ToolMessage
 
 log = logging.getLogger(__name__)
 
@@ -430,17 +432,34 @@ class Result:
 
 @dataclass(frozen=True)
 class OpenAIShape:
-    """Builds one request's OpenAI objects: ``chat`` (chat.completion) or ``text`` (text_completion)."""
+    """Builds one request's OpenAI objects: ``chat`` (chat.completion) or ``text`` (text_completion). With
+    ``tool_names``, a chat answer's tool calls (``tessera.tool_calls``) become ``tool_calls``, streamed as
+    OpenAI streams them: per call a first delta with its index, id, type and name, then its arguments."""
 
     kind: str
     response_id: str
     model: str
     created: int
     cost: Pricing | None = None
+    tool_names: tuple[str, ...] = ()
+    _parser: ToolCallParser | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # A stream's parser, fresh for each copy (``dataclasses.replace`` makes one per request).
+        if self.tool_names:
+            object.__setattr__(self, "_parser", ToolCallParser(self.tool_names))
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
         finish = FINISH_REASONS.get(result.finish_reason or "stop", "stop")
-        if self.kind == "chat":
+        if self.kind == "chat" and self.tool_names:
+            message = parse_message(result.text, self.tool_names)
+            body: dict[str, Any] = {"role": "assistant", "content": message.content}
+            if message.tool_calls:
+                body["tool_calls"] = message.tool_calls
+                finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": body, "finish_reason": finish, "logprobs": None}
+            obj = "chat.completion"
+        elif self.kind == "chat":
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},
@@ -457,8 +476,19 @@ class OpenAIShape:
             "usage": usage_body(result.usage_or_count(prompt_tokens), self.cost),
         }
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
         finish = FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
+        if self.kind == "chat" and self._parser is not None and not first:
+            deltas = self._parser.feed(text)
+            if finish_reason:
+                deltas += self._parser.finish()
+                if self._parser.calls and finish == "stop":
+                    finish = "tool_calls"
+            delta = _openai_delta(deltas)
+            if not delta and finish is None:
+                return None
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text} if text or first else {}
             if first:
@@ -477,6 +507,27 @@ class OpenAIShape:
 
     def error_chunk(self, error: APIError) -> dict[str, Any]:
         return error.body()
+
+
+def _openai_delta(deltas: list[Delta]) -> dict[str, Any]:
+    """One chunk's delta from the parser's pieces: their content joined, and per call touched one
+    ``tool_calls`` entry (its first carries id, type and name; arguments joined)."""
+    delta: dict[str, Any] = {}
+    content = "".join(d.content for d in deltas)
+    if content:
+        delta["content"] = content
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.index is None:
+            continue
+        entry = calls.setdefault(d.index, {"index": d.index, "function": {"arguments": ""}})
+        if d.name is not None:
+            entry.update(id=d.id, type="function")
+            entry["function"] = {"name": d.name, "arguments": entry["function"]["arguments"]}
+        entry["function"]["arguments"] += d.arguments
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta
 
 
 class Shape(Protocol):
@@ -551,10 +602,26 @@ class WorkersAIShape:
     kind: str = "workers_ai"
     cost: Pricing | None = None
     json_mode: bool = False  # response_format asked for JSON: a complete answer is returned parsed
+    # With tools: calls come back as ``tool_calls`` ([{"name", "arguments": {...}}]) beside ``response``
+    # (the text before them); streamed, the calls come with the last event.
+    tool_names: tuple[str, ...] = ()
+    _parser: ToolCallParser | None = field(default=None, init=False, repr=False, compare=False)
+    _message: ToolMessage | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tool_names:
+            object.__setattr__(self, "_parser", ToolCallParser(self.tool_names))
+            object.__setattr__(self, "_message", ToolMessage())
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
         usage = usage_body(result.usage_or_count(prompt_tokens), self.cost)
         answer: Any = result.text
+        if self.tool_names:
+            message = parse_message(result.text, self.tool_names)
+            body = {"response": message.content or ""}
+            if message.tool_calls:
+                body["tool_calls"] = _workers_ai_calls(message)
+            return workers_ai_envelope({**body, "usage": usage})
         if self.json_mode and result.finish_reason == "stop":
             # Grammar-constrained, so a stopped answer parses; one cut by max_tokens stays text.
             with contextlib.suppress(ValueError):
@@ -562,13 +629,32 @@ class WorkersAIShape:
         return workers_ai_envelope({"response": answer, "usage": usage})
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
-        return {"response": text} if text else None
+        if self._parser is None:
+            return {"response": text} if text else None
+        deltas = self._parser.feed(text) + (self._parser.finish() if finish_reason else [])
+        for delta in deltas:
+            self._message.add(delta)
+        content = "".join(d.content for d in deltas)
+        if finish_reason and self._message.tool_calls:
+            return {"response": content, "tool_calls": _workers_ai_calls(self._message)}
+        return {"response": content} if content else None
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {"response": "", "usage": usage_body(usage, self.cost)}
 
     def error_chunk(self, error: APIError) -> dict[str, Any]:
         return workers_ai_error(error)
+
+
+def _workers_ai_calls(message: ToolMessage) -> list[dict[str, Any]]:
+    """Workers AI's calls: the name and the arguments parsed (their text when a cut call's do not parse)."""
+    calls = []
+    for call in message.tool_calls:
+        arguments: Any = call["function"]["arguments"]
+        with contextlib.suppress(ValueError):
+            arguments = json.loads(arguments)
+        calls.append({"name": call["function"]["name"], "arguments": arguments})
+    return calls
 
 
 async def collect(reader: StreamReader) -> Result:

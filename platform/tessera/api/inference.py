@@ -25,9 +25,10 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from billing import metrics
-from gpu_workers.protocol import GenerateTask, Sampling, send_task
+from gpu_workers.protocol import GenerateTask, Grammar, Sampling, send_task
 from gpu_workers.tokenizer import ChatTemplateError
 from tessera import records, routing, streaming
+from tessera.api import tools
 from tessera.api.catalog import Catalog, Model
 from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import parse_body, request_id
@@ -57,6 +58,7 @@ class Prepared:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    tool_names: tuple[str, ...] = ()  # the tools the answer's calls are parsed against (none: plain text)
 
 
 @dataclass
@@ -88,7 +90,8 @@ class Gateway:
                 "embedding_model",
                 param="model",
             )
-        prompt_ids = self._prompt_ids(model, body)
+        tool_plan = self._tool_plan(model, body)
+        prompt_ids = self._prompt_ids(model, body, tool_plan)
         if not prompt_ids:
             raise APIError(
                 400, "the prompt is empty; send at least one token", "empty_prompt", param="prompt"
@@ -131,9 +134,7 @@ class Gateway:
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            grammar=response_grammar(body.response_format)
-            if isinstance(body, ChatCompletionRequest)
-            else None,
+            grammar=self._grammar(body, tool_plan),
         )
         if sampling.grammar is not None and model.tokenizer is None:
             raise APIError(
@@ -146,7 +147,29 @@ class Gateway:
             raise APIError(
                 400, "stop strings need a tokenizer, which this model lacks", "no_tokenizer", param="stop"
             )
-        return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage)
+        names = tool_plan.names if tool_plan is not None else ()
+        return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage, names)
+
+    @staticmethod
+    def _tool_plan(model: Model, body: GenerationRequest) -> tools.ToolPlan | None:
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        if model.tokenizer is None or not model.tokenizer.has_chat_template:
+            raise APIError(
+                400,
+                f"the model '{model.spec.name}' has no chat template; use /v1/completions with a prompt",
+                "chat_not_supported",
+                param="messages",
+            )
+        return tools.plan(body, model.tokenizer)
+
+    @staticmethod
+    def _grammar(body: GenerationRequest, tool_plan: tools.ToolPlan | None) -> Grammar | None:
+        if tool_plan is None:
+            return None
+        if tool_plan.grammar is not None:
+            return tool_plan.grammar
+        return response_grammar(body.response_format)
 
     async def prepare_for(self, request: Request, body: GenerationRequest) -> Prepared:
         """``prepare``, on the event loop for a request body of at most ``INLINE_PREPARE_BYTES`` whose model
@@ -158,19 +181,14 @@ class Gateway:
                 return self.prepare(body, model)
         return await run_in_threadpool(self.prepare, body)
 
-    def _prompt_ids(self, model: Model, body: GenerationRequest) -> list[int]:
+    def _prompt_ids(
+        self, model: Model, body: GenerationRequest, tool_plan: tools.ToolPlan | None
+    ) -> list[int]:
         tokenizer = model.tokenizer
-        if isinstance(body, ChatCompletionRequest):
-            if tokenizer is None or not tokenizer.has_chat_template:
-                raise APIError(
-                    400,
-                    f"the model '{model.spec.name}' has no chat template; use /v1/completions with a prompt",
-                    "chat_not_supported",
-                    param="messages",
-                )
+        if tool_plan is not None:
             try:
                 # The template writes BOS itself; message text never becomes a control token.
-                return tokenizer.encode_chat([m.for_template() for m in body.messages])
+                return tokenizer.encode_chat(tool_plan.messages, tools=tool_plan.template_tools)
             except ChatTemplateError as e:
                 raise APIError(400, str(e), "invalid_messages", param="messages") from None
         assert isinstance(body, CompletionRequest)
@@ -292,7 +310,11 @@ class Gateway:
             )
             if shape is None:
                 shape = streaming.OpenAIShape(
-                    kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + rid, spec.name, int(time.time())
+                    kind,
+                    ("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
+                    spec.name,
+                    int(time.time()),
+                    tool_names=prepared.tool_names,
                 )
             shape = dataclasses.replace(shape, cost=lambda usage: charge(price, usage).usage_fields())
 

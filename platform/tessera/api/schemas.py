@@ -21,11 +21,11 @@ from gpu_workers.tokenizer import check_text
 
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
+MAX_TOOLS = 128  # as OpenAI's API
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 # OpenAI parameters this gateway cannot honour: refused rather than silently ignored.
 UNSUPPORTED = (
-    "tools",
     "functions",
-    "tool_choice",
     "logprobs",
     "top_logprobs",
     "logit_bias",
@@ -56,11 +56,26 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text = Field(pattern=TOOL_NAME)
+    arguments: Text  # a JSON object's text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    id: Text = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # validate_default: a missing content is checked like an explicit null.
     content: Text | list[TextPart] | None = Field(None, validate_default=True)
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: Text | None = None  # tool messages: the call this is the result of
 
     @field_validator("content")
     @classmethod
@@ -74,15 +89,25 @@ class ChatMessage(_Strict):
             )
         return value
 
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: plain-text content; ``developer`` is OpenAI's new
         name for ``system``, which is what checkpoints' templates know."""
-        if isinstance(self.content, list):
-            content = "".join(part.text for part in self.content)
-        else:
-            content = self.content or ""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        return {"role": role, "content": self.text}
 
 
 class GenerationRequest(_Strict):
@@ -177,10 +202,46 @@ class ResponseFormat(_Strict):
         return self
 
 
+class FunctionDefinition(_Strict):
+    name: Text = Field(pattern=TOOL_NAME)
+    description: Text | None = None
+    # The arguments' JSON Schema (an object); checked and enforced as response_format's schemas are.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments are always enforced here (grammar-constrained)
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: Text = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # OpenAI's default: "auto" when there are tools, "none" otherwise.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, value: list[Tool] | None) -> list[Tool] | None:
+        seen: set[str] = set()
+        for tool in value or []:
+            if tool.function.name in seen:
+                raise ValueError(f"two tools are named {tool.function.name!r}; tool names must be unique")
+            seen.add(tool.function.name)
+        return value
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI's newer name wins when both are sent, as in OpenAI's API.

@@ -152,6 +152,10 @@ class RunRequest(BaseModel):
     stream: bool = False
     options: RunOptions | None = None
     response_format: RunResponseFormat | None = None
+    # Workers AI's flat tools ({"name", "description", "parameters"}) or OpenAI's ({"type": "function",
+    # "function": {...}}); tool_choice as OpenAI's (default "auto").
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> RunRequest:
@@ -224,8 +228,14 @@ class Usage(BaseModel):
     cost_details: CostDetails | None = None
 
 
+class RunToolCall(BaseModel):
+    name: str
+    arguments: dict[str, Any] | str  # parsed; the text of a call cut by max_tokens
+
+
 class RunResult(BaseModel):
     response: str | dict[str, Any] | list[Any]  # JSON mode: the answer parsed
+    tool_calls: list[RunToolCall] | None = None
     usage: Usage
 
 
@@ -307,19 +317,33 @@ def _openai_request(model: str, body: RunRequest) -> ChatCompletionRequest | Com
     try:
         if body.messages is not None:
             fmt = body.response_format.as_openai() if body.response_format else None
+            tools = [_openai_tool(tool) for tool in body.tools] if body.tools is not None else None
             return ChatCompletionRequest.model_validate(
-                {**common, "messages": body.messages, "response_format": fmt}
+                {
+                    **common,
+                    "messages": body.messages,
+                    "response_format": fmt,
+                    "tools": tools,
+                    "tool_choice": body.tool_choice,
+                }
             )
-        if body.response_format is not None:
+        if body.response_format is not None or body.tools:
             raise APIError(
                 400,
-                "response_format (JSON mode) needs 'messages'; send the request as a chat",
+                "response_format (JSON mode) and tools need 'messages'; send the request as a chat",
                 "invalid_request",
-                param="response_format",
+                param="response_format" if body.response_format is not None else "tools",
             )
         return CompletionRequest.model_validate({**common, "prompt": body.prompt})
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+def _openai_tool(tool: Any) -> Any:
+    """A Workers AI flat tool as OpenAI's (one already in OpenAI's form, or not an object, as it is)."""
+    if isinstance(tool, dict) and "function" not in tool and "type" not in tool:
+        return {"type": "function", "function": tool}
+    return tool
 
 
 @router.post(
@@ -373,7 +397,9 @@ async def run_model(
     prepared = await gw.prepare_for(request, openai_body)
     kind = "chat" if isinstance(openai_body, ChatCompletionRequest) else "text"
     reject = bool(body.options and body.options.rejectIfBusy)
-    shape = streaming.WorkersAIShape(json_mode=body.response_format is not None)
+    shape = streaming.WorkersAIShape(
+        json_mode=body.response_format is not None, tool_names=prepared.tool_names
+    )
     return await gw.serve(request, caller, prepared, kind, shape, reject_if_busy=reject)
 
 
