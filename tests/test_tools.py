@@ -25,7 +25,7 @@ from tessera.tool_calls import Message, ToolCallParser, format_call, parse_messa
 from test_launcher import assert_all_stopped, start_up, stop_up
 
 from gpu_workers.grammars import check_grammar
-from gpu_workers.tokenizer import gguf_tokenizer
+from gpu_workers.tokenizer import Tokenizer, gguf_tokenizer
 
 WEATHER = {
     "type": "object",
@@ -123,6 +123,44 @@ def test_auto_grammar_lets_text_run_and_constrains_a_call_once_it_starts():
     assert not accepts(format_call("get_weather", '{"city": "Paris", "unit": "kelvin"}'))[0]
     assert not accepts(format_call("get_weather", '{"city": "Paris"}'))[0]  # unit is required
     assert not accepts(call + " and more text")[0]
+
+
+# A Qwen2.5-style template, reduced: it renders the tools it is given, past calls and tool results itself.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t.function | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>"
+    "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_conversation_in_its_own_fields():
+    smollm2 = gguf_tokenizer(installed_smollm2())
+    assert not smollm2.renders_tools
+    tokenizer = Tokenizer(smollm2.backend, eos_token="<|im_end|>", chat_template=TOOLS_TEMPLATE)
+    assert tokenizer.renders_tools
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]  # fmt: skip
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": turn, "tools": TOOLS})
+    plan = tools.plan(body, tokenizer)
+    prompt = tokenizer.apply_chat_template(plan.messages, tools=plan.template_tools)
+    assert (
+        json.dumps(TOOLS[0]["function"]) in prompt and "<tool_call>" not in prompt
+    )  # no system prompt of ours
+    assert f"<call>get_weather {arguments}</call>" in prompt and "18 C [call_1]" in prompt
+    assert plan.grammar is not None and plan.names == ("get_weather", "get_time")
+    # Without tools rendered by the template, ours lists them in the system message.
+    ours = tools.plan(body, smollm2)
+    assert ours.template_tools is None and '"name": "get_weather"' in ours.messages[0]["content"]
+    assert "<tool_response>\n18 C\n</tool_response>" in smollm2.apply_chat_template(ours.messages)
 
 
 @pytest.fixture(scope="module")
