@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from gpu_workers.grammars import InvalidGrammar, check_grammar
@@ -76,30 +77,28 @@ def plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan:
             "invalid_request",
             param="response_format",
         )
-    parameters = [_parameters(tool, i) for i, tool in enumerate(tools)]
     parallel = body.parallel_tool_calls is not False
     if in_template:
         template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
     else:
         template_tools = None
         messages = _with_tools_prompt(messages, tools, parallel)
-    callable_tools = list(zip(tools, parameters, strict=True))
-    if isinstance(choice, NamedToolChoice):  # one call to that function, as OpenAI's API makes
-        callable_tools = [(t, p) for t, p in callable_tools if t.function.name == choice.function.name]
-        parallel = False
-    grammar = _calls_grammar(callable_tools, required=choice != "auto", parallel=parallel)
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    signature = json.dumps([[t.function.name, t.function.parameters] for t in tools], sort_keys=True)
+    # One call to a named function, as OpenAI's API makes.
+    grammar = _calls_grammar(signature, named, required=choice != "auto", parallel=parallel and not named)
     return ToolPlan(messages, template_tools, grammar, tuple(t.function.name for t in tools))
 
 
-def _parameters(tool: Tool, index: int) -> dict[str, Any]:
-    """The tool's parameters schema, checked as response_format's schemas are (400 naming the tool)."""
-    schema = tool.function.parameters or NO_PARAMETERS
+def _parameters(name: str, schema: dict[str, Any] | None, index: int) -> dict[str, Any]:
+    """A tool's parameters schema, checked as response_format's schemas are (400 naming the tool)."""
+    schema = schema or NO_PARAMETERS
     param = f"tools[{index}].function.parameters"
     if schema.get("type", "object") != "object":
         raise APIError(
             400,
-            f"{param} of tool {tool.function.name!r} must be a JSON Schema of type 'object', got "
-            f"{schema.get('type')!r}: a call's arguments are a JSON object",
+            f"{param} of tool {name!r} must be a JSON Schema of type 'object', got {schema.get('type')!r}: "
+            "a call's arguments are a JSON object",
             "invalid_json_schema",
             param=param,
         )
@@ -107,16 +106,19 @@ def _parameters(tool: Tool, index: int) -> dict[str, Any]:
     return schema
 
 
-def _calls_grammar(tools: list[tuple[Tool, dict[str, Any]]], required: bool, parallel: bool) -> Grammar:
-    """Lark for one call (or several, one a line) to one of ``tools``, arguments validated by its schema;
-    unless ``required``, free text instead, or text and then calls: a lazy lexeme ends the text at the
-    first ``CALL_OPEN``, where the call's grammar takes over."""
+# Checking and compiling the tools costs ~1 ms a tool; agents send the same tools turn after turn.
+@lru_cache(maxsize=256)
+def _calls_grammar(signature: str, named: str | None, required: bool, parallel: bool) -> Grammar:
+    """Lark for one call (or several, one a line) to one of the tools (``signature``: their names and
+    parameters as JSON; ``named``: that one only), arguments validated by its schema; unless ``required``,
+    free text instead, or text and then calls: a lazy lexeme ends the text at the first ``CALL_OPEN``,
+    where the call's grammar takes over. Raises APIError 400 naming a tool whose parameters cannot be used."""
+    tools = [(name, _parameters(name, schema, i)) for i, (name, schema) in enumerate(json.loads(signature))]
     rules = []
-    for i, (tool, schema) in enumerate(tools):
+    for i, (name, schema) in enumerate(t for t in tools if named in (None, t[0])):
         arguments = {**schema, "x-guidance": _JSON_STYLE}
         rules.append(
-            f"call_{i}: {json.dumps(call_header(tool.function.name))} %json {json.dumps(arguments)} "
-            f"{json.dumps(CALL_END)}"
+            f"call_{i}: {json.dumps(call_header(name))} %json {json.dumps(arguments)} {json.dumps(CALL_END)}"
         )
     more = f" ({json.dumps(CALL_SEPARATOR + CALL_OPEN)} call)*" if parallel else ""
     if required:
@@ -127,7 +129,7 @@ def _calls_grammar(tools: list[tuple[Tool, dict[str, Any]]], required: bool, par
             f"text_then_call[lazy]: TEXT {json.dumps(CALL_OPEN)}",
             r"TEXT: /(.|\n)*/",
         ]
-    call = "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))
+    call = "call: " + " | ".join(f"call_{i}" for i in range(len(rules)))
     lark = "\n".join(["%llguidance {}", *start, call, *rules])
     grammar = Grammar("lark", lark)
     try:
