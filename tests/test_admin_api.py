@@ -184,7 +184,7 @@ def test_deployment_patch_is_validated_with_reasons_and_audited_with_before_afte
     assert newest["actor"] == f"key:{prefix}" and newest["action"] == "update"
     assert newest["changes"] == {
         "page_size": [16, 32],
-        "decode_kv": ["fp8_e4m3", "bf16"],
+        "decode_kv": ["int8", "bf16"],
         "integrity_check": [True, False],
     }
     assert audit[-1]["action"] == "create" and len(audit) == 2  # the refused patches left no trace

@@ -165,7 +165,7 @@ def test_switching_decode_kv_and_integrity_while_requests_stream_fails_no_reques
     assert [e["changes"] for e in audit[:3]] == [
         {"integrity_check": [True, False]},
         {"decode_kv": ["bf16", "fp8_e4m3"]},
-        {"decode_kv": ["fp8_e4m3", "bf16"]},
+        {"decode_kv": ["int8", "bf16"]},
     ]
     assert all(e["action"] == "update" for e in audit[:3])
     assert [e["actor"].split(":")[0] for e in audit[:3]] == ["key", "key", "cli"]

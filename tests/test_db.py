@@ -445,7 +445,7 @@ def test_invalid_deployment_config_names_every_problem(session, checkpoint):
         "name: expected a model id like '@tessera/demo'",
         "page_size: must be a power of two",
         "got 12",
-        "decode_kv: Input should be 'auto', 'bf16' or 'fp8_e4m3'",
+        "decode_kv: Input should be 'auto', 'bf16', 'int8' or 'fp8_e4m3'",
         "decode_weights: Input should be 'bf16', 'fp8' or 'int4'",
         "mode: Input should be 'disaggregated' or 'colocated'",
         "max_num_seqs: Input should be greater than 0",
@@ -521,7 +521,7 @@ def test_update_deployment_validates_applies_and_audits(session, checkpoint):
     assert [a.action for a in audit] == ["update", "create"]
     assert audit[0].actor == "key:ab12cd34"
     assert audit[0].changes == {
-        "decode_kv": ["fp8_e4m3", "bf16"],
+        "decode_kv": ["int8", "bf16"],
         "page_size": [16, 32],
         "enabled": [True, False],
     }

@@ -226,7 +226,6 @@ class Launcher:
         if deployment is None:
             config = {"name": name, "checkpoint": str(checkpoint), "mode": mode, **extra}
             if name != EMBEDDING_MODEL:
-                config["decode_kv"] = "fp8_e4m3"
                 # Half the model's context: a request that leaves max_tokens out still has room for a prompt.
                 config["max_tokens_limit"] = _context_of(checkpoint) // 2
             deployment = tenancy.create_deployment(session, config, actor="tessera up", redis=redis)

@@ -109,7 +109,7 @@ class Deployment(Base):
     checkpoint: Mapped[str] = mapped_column(String(1000))  # checkpoint folder on the worker hosts
     mode: Mapped[str] = mapped_column(String(20))  # disaggregated | colocated
     dtype: Mapped[str] = mapped_column(String(20))
-    prefill_kv: Mapped[str] = mapped_column(String(20))  # auto | bf16 | fp8_e4m3
+    prefill_kv: Mapped[str] = mapped_column(String(20))  # auto | bf16 | int8 | fp8_e4m3
     decode_kv: Mapped[str] = mapped_column(String(20))
     prefill_weights: Mapped[str] = mapped_column(String(20))  # bf16 | fp8 | int4
     decode_weights: Mapped[str] = mapped_column(String(20))

@@ -79,7 +79,7 @@ DEPLOYMENT_NAME_RE = re.compile(r"^@?[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Z
 
 Mode = Literal["disaggregated", "colocated"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # auto: bf16 where it is fast, else fp32
-KVFormat = Literal["auto", "bf16", "fp8_e4m3"]  # auto: the model's dtype, unquantised
+KVFormat = Literal["auto", "bf16", "int8", "fp8_e4m3"]  # auto: the model's dtype, unquantised
 WeightFormat = Literal["bf16", "fp8", "int4"]
 MODES, DTYPES, KV_FORMATS, WEIGHT_FORMATS = (get_args(t) for t in (Mode, Dtype, KVFormat, WeightFormat))
 # Fields that decide which files a worker loads: changing one re-checks the checkpoint.

@@ -34,10 +34,10 @@ from pathlib import Path
 from gpu_workers.protocol import HEARTBEAT_INTERVAL_S
 from tessera.bench import BenchError
 from tessera.bench.stats import format_ratio, format_spread, spread
+from tessera.launcher import DEFAULT_MODEL  # the deployment `tessera up` serves disaggregated
 
 PROMPT = "def parse_config(path):\n    "
 READY_TIMEOUT_S = 240.0
-DEFAULT_MODEL = "@tessera/pycode-tiny"
 
 
 def run_serving(

@@ -150,10 +150,14 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
     option("--mode", default=unset, help="disaggregated (prefill + decode pools; default) or colocated")
     option("--dtype", default=unset, help="compute dtype: auto (default), bfloat16, float16 or float32")
     option(
-        "--prefill-kv", default=unset, help="KV format prefill computes in: auto (default), bf16, fp8_e4m3"
+        "--prefill-kv",
+        default=unset,
+        help="KV format prefill computes in: auto (default), bf16, int8, fp8_e4m3",
     )
     option(
-        "--decode-kv", default=unset, help="KV format the decode pool stores: fp8_e4m3 (default), bf16, auto"
+        "--decode-kv",
+        default=unset,
+        help="KV format the decode pool stores: int8 (default), fp8_e4m3, bf16, auto",
     )
     option("--prefill-weights", default=unset, help="prefill weight format: bf16 (default), fp8, int4")
     option("--decode-weights", default=unset, help="decode weight format: bf16 (default), fp8, int4")

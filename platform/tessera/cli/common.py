@@ -128,7 +128,7 @@ def add_engine_args(parser: argparse.ArgumentParser, default_dtype: str | None) 
     )
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=("auto", "bf16", "fp8_e4m3"),
+        choices=("auto", "bf16", "int8", "fp8_e4m3"),
         help="KV cache format (default auto: the model dtype, unquantised)",
     )
     parser.add_argument("--kv-scales", metavar="FILE", help="static FP8 KV scales from `tessera calibrate`")
