@@ -79,18 +79,21 @@ def test_axes_share_runs_and_the_served_config_goes_first():
     # kv=fp8_e4m3 and integrity=on are the deployment as it is (one run, first); prefix has its own load.
     assert of[("kv", "fp8_e4m3")] == of[("integrity", "on")] == 0
     assert runs[0].config == original and not runs[0].shared_prefix
-    assert len(runs) == 5  # served, bf16 KV, integrity off, prefix on and off under the shared prompt
+    assert (
+        len(runs) == 6
+    )  # served, bf16 KV, int8 KV, integrity off, prefix on and off under the shared prompt
     assert runs[of[("prefix", "on")]].shared_prefix and runs[of[("prefix", "on")]].config == original
     # A fixed budget applies to every run, so none is the served config any more.
     runs, _ = plan(MatrixSpec("u", "a", "k", "m", ["kv"], [1], 16, 4, kv_budget_bytes=3 * 2**20), original)
     assert {r.config["kv_budget_bytes"] for r in runs} == {3 * 2**20}
-    assert [r.config["decode_kv"] for r in runs] == ["bf16", "fp8_e4m3"]
+    assert [r.config["decode_kv"] for r in runs] == ["bf16", "int8", "fp8_e4m3"]
     # Runs of one config under two workloads follow each other: one reload for both.
     budget = MatrixSpec("u", "a", "k", "m", ["kv", "prefix"], [1], 16, 4, kv_budget_bytes=3 * 2**20)
     runs, _ = plan(budget, original)
     shape = [(r.config["decode_kv"], r.config["prefix_cache"], r.shared_prefix) for r in runs]
     assert shape == [
         ("bf16", True, False),
+        ("int8", True, False),
         ("fp8_e4m3", True, False),
         ("fp8_e4m3", True, True),
         ("fp8_e4m3", False, True),
@@ -129,7 +132,7 @@ def test_mode_axis_runs_each_mode_on_its_own_deployment_with_one_config():
     assert of[("mode", "disaggregated")] == of[("kv", "fp8_e4m3")]
     colocated = runs[of[("mode", "colocated")]]
     assert colocated.deployment == "c" and colocated.config == runs[of[("kv", "fp8_e4m3")]].config
-    assert len(runs) == 3 and {r.deployment for r in runs} == {"d", "c"}
+    assert len(runs) == 4 and {r.deployment for r in runs} == {"d", "c"}
 
 
 # --- against tessera up ----------------------------------------------------------------------------------------
@@ -197,7 +200,8 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         with pytest.raises(jsonschema.ValidationError) as failed:
             validate(broken, "matrix")
         assert tuple(failed.value.absolute_path) == path
-    assert report["repeats"] == REPEATS and len(report["runs"]) == 3  # bf16 KV, fp8 KV, fp8 + integrity off
+    # bf16 KV, int8 KV (the default, integrity on), fp8 KV, int8 + integrity off
+    assert report["repeats"] == REPEATS and len(report["runs"]) == 4
 
     # Each (axis, variant) ran on workers that reported serving exactly its config, before and after its load,
     # in every repeat.
@@ -219,6 +223,7 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         for run in report["runs"]
     }
     assert pages["fp8_e4m3"] > 1.9 * pages["bf16"]  # one budget: FP8 pages are half the bytes
+    assert pages["int8"] > 1.8 * pages["bf16"]  # INT8: one byte a value plus a bf16 scale per entry
 
     # Interleaved: every configuration once per repeat, in the same order (A B C, A B C), each with fresh prompts.
     ran = sorted(
@@ -226,7 +231,7 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         for i, run in enumerate(report["runs"])
         for rep in run["repeats"]
     )
-    assert [(r, i) for _, _, r, i in ran] == [(r, i) for r in range(REPEATS) for i in range(3)]
+    assert [(r, i) for _, _, r, i in ran] == [(r, i) for r in range(REPEATS) for i in range(4)]
     assert all(a[1] <= b[0] for a, b in zip(ran, ran[1:], strict=False))  # one at a time
     assert len({rep["seed"] for run in report["runs"] for rep in run["repeats"]}) == REPEATS
 

@@ -110,7 +110,11 @@ AXES: dict[str, Axis] = {
         Axis(
             "kv",
             "decode KV format",
-            (Variant("bf16", {"decode_kv": "bf16"}), Variant("fp8_e4m3", {"decode_kv": "fp8_e4m3"})),
+            (
+                Variant("bf16", {"decode_kv": "bf16"}),
+                Variant("int8", {"decode_kv": "int8"}),
+                Variant("fp8_e4m3", {"decode_kv": "fp8_e4m3"}),
+            ),
         ),
         Axis(
             "weights",
