@@ -6,6 +6,7 @@ Torch-free, so the gateway can read a checkpoint's limits and stop tokens withou
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,9 @@ class ModelConfig:
         """Normalise a parsed ``config.json``; ``generation`` may add end-of-sequence tokens."""
         generation = generation or {}
         architecture = _architecture(raw)
-        num_layers = _required(raw, "num_hidden_layers")
-        num_heads = _required(raw, "num_attention_heads")
-        hidden_size = _required(raw, "hidden_size")
+        num_layers = required(raw, "num_hidden_layers")
+        num_heads = required(raw, "num_attention_heads")
+        hidden_size = required(raw, "hidden_size")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(
                 f"hidden_act {raw['hidden_act']!r} in config.json is not supported; expected 'silu'"
@@ -156,9 +157,9 @@ class ModelConfig:
         bos = generation.get("bos_token_id") if bos is None else bos
         return cls(
             architecture=architecture,
-            vocab_size=_required(raw, "vocab_size"),
+            vocab_size=required(raw, "vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_required(raw, "intermediate_size"),
+            intermediate_size=required(raw, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
@@ -166,7 +167,7 @@ class ModelConfig:
             head_dim=(extra["mla"].qk_nope_head_dim + extra["mla"].qk_rope_head_dim)
             if "mla" in extra
             else raw.get("head_dim") or hidden_size // num_heads,
-            max_position_embeddings=_required(raw, "max_position_embeddings"),
+            max_position_embeddings=required(raw, "max_position_embeddings"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_rope(raw, _DEFAULT_ROPE_THETA.get(architecture, 10000.0), architecture),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -205,8 +206,6 @@ def _llama3_scaling(raw: dict[str, Any], freqs: Any, name: str) -> dict[str, Any
     """The Llama 3 ``rope_scaling`` whose frequency divisors are ``freqs`` (llama.cpp stores the divisors,
     not the parameters): its factor is the largest divisor; the rest are Llama 3.1's published values,
     checked by recomputing every divisor."""
-    import math
-
     factor, low, high = float(max(freqs)), 1.0, 4.0
     original = int(raw.get("rope_scaling", {}).get("original_max_position_embeddings", 8192))
     head_dim = raw["head_dim"]
@@ -257,7 +256,8 @@ def _architecture(raw: dict[str, Any]) -> str:
     return names[0]
 
 
-def _required(raw: dict[str, Any], key: str) -> int:
+def required(raw: dict[str, Any], key: str) -> int:
+    """``config.json``'s integer ``key``; ModelLoadError when it is missing."""
     if raw.get(key) is None:
         raise ModelLoadError(f"config.json has no {key!r}; the model's shape cannot be known without it")
     return int(raw[key])
@@ -281,7 +281,7 @@ def _deepseek_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
             f"n_routed_experts {num_experts} in config.json is not a multiple of n_group {n_group}"
         )
     moe = MoEConfig(
-        intermediate_size=_required(raw, "moe_intermediate_size"),
+        intermediate_size=required(raw, "moe_intermediate_size"),
         num_shared_experts=int(raw.get("n_shared_experts") or 0),
         n_group=n_group,
         topk_group=int(raw.get("topk_group") or 1),
@@ -298,10 +298,10 @@ def _deepseek_fields(architecture: str, raw: dict[str, Any]) -> dict[str, Any]:
     if architecture == "DeepseekV3ForCausalLM":
         fields["mla"] = MLAConfig(
             q_lora_rank=raw.get("q_lora_rank"),
-            kv_lora_rank=_required(raw, "kv_lora_rank"),
-            qk_nope_head_dim=_required(raw, "qk_nope_head_dim"),
-            qk_rope_head_dim=_required(raw, "qk_rope_head_dim"),
-            v_head_dim=_required(raw, "v_head_dim"),
+            kv_lora_rank=required(raw, "kv_lora_rank"),
+            qk_nope_head_dim=required(raw, "qk_nope_head_dim"),
+            qk_rope_head_dim=required(raw, "qk_rope_head_dim"),
+            v_head_dim=required(raw, "v_head_dim"),
             rope_interleave=bool(raw.get("rope_interleave", True)),
         )
     else:

@@ -19,7 +19,7 @@ from typing import Any
 
 import tokenizers
 
-from gpu_workers.checkpoint import ModelLoadError, read_json
+from gpu_workers.checkpoint import ModelLoadError, read_json, required
 from gpu_workers.tokenizer import check_text
 
 ENCODER_ARCHITECTURES = ("BertModel",)
@@ -76,18 +76,18 @@ class EncoderConfig:
             raise ModelLoadError(
                 f"hidden_act {hidden_act!r} is not supported; expected gelu, gelu_new or relu"
             )
-        hidden, heads = _required(raw, "hidden_size"), _required(raw, "num_attention_heads")
+        hidden, heads = required(raw, "hidden_size"), required(raw, "num_attention_heads")
         if hidden % heads:
             raise ModelLoadError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-        max_positions = _required(raw, "max_position_embeddings")
+        max_positions = required(raw, "max_position_embeddings")
         pooling, normalize = _pooling(path, hidden)
         return cls(
             architecture=architecture,
-            vocab_size=_required(raw, "vocab_size"),
+            vocab_size=required(raw, "vocab_size"),
             hidden_size=hidden,
-            num_layers=_required(raw, "num_hidden_layers"),
+            num_layers=required(raw, "num_hidden_layers"),
             num_heads=heads,
-            intermediate_size=_required(raw, "intermediate_size"),
+            intermediate_size=required(raw, "intermediate_size"),
             max_position_embeddings=max_positions,
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
             layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
@@ -114,12 +114,6 @@ def is_encoder_checkpoint(path: str | Path) -> bool:
         return encoder_architecture(read_json(config)) is not None
     except ModelLoadError:
         return False
-
-
-def _required(raw: dict[str, Any], key: str) -> int:
-    if key not in raw:
-        raise ModelLoadError(f"config.json has no {key!r}; the model's shape cannot be known without it")
-    return int(raw[key])
 
 
 def _modules(path: Path) -> list[dict[str, Any]]:

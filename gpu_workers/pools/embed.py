@@ -25,6 +25,7 @@ from celery.worker import state as celery_state
 
 from gpu_workers.engine.embedder import DeadlineExceeded, Embedder, EmbedderConfig
 from gpu_workers.engine.params import InvalidRequest
+from gpu_workers.pools.consumer import consume
 from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
 from gpu_workers.pools.inflight import Inflight, take_orphans
 from gpu_workers.pools.stream import LeaseLost, RequestStream
@@ -253,17 +254,7 @@ def run_embed_worker(
     heartbeat.start()
     log.info("worker %s serving embeddings of %s on %s", worker_id, spec.name, device)
     try:
-        app.Worker(
-            hostname=f"{worker_id}@{host}",
-            queues=[spec.queue(pool), worker_queue(worker_id)],
-            pool="threads",
-            concurrency=threads,
-            loglevel=loglevel,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
-            quiet=True,
-        ).start()
+        consume(app, worker_id, host, [spec.queue(pool), worker_queue(worker_id)], threads, loglevel)
     finally:
         heartbeat.stop(leave=not draining.is_set())
         embedder.stop()

@@ -36,6 +36,7 @@ from celery.worker import state as celery_state
 from gpu_workers.encoder_checkpoint import is_encoder_checkpoint
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
+from gpu_workers.pools.consumer import consume
 from gpu_workers.pools.embed import run_embed_worker
 from gpu_workers.pools.handoff import HandoffStore
 from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
@@ -230,17 +231,7 @@ def run_worker(
     heartbeat.start()
     log.info("worker %s serving %s/%s on %s (%s KV)", worker_id, spec.name, pool, device, kv_format)
     try:
-        app.Worker(
-            hostname=f"{worker_id}@{host}",
-            queues=[spec.queue(pool), worker_queue(worker_id)],
-            pool="threads",
-            concurrency=threads,
-            loglevel=loglevel,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
-            quiet=True,
-        ).start()
+        consume(app, worker_id, host, queues, threads, loglevel)
     finally:
         reloading = draining.is_set() and engine.failed is None
         heartbeat.stop(leave=successor_first or not reloading)

@@ -7,8 +7,10 @@ is loaded once per (deployment, checkpoint).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from cachetools import TTLCache
 from sqlalchemy import select
@@ -22,6 +24,8 @@ from tessera.errors import APIError
 from tessera.loading_cache import LoadingCache
 from tessera.models import Deployment
 from tessera.tenancy import DEPLOYMENT_NAME_RE
+
+T = TypeVar("T")
 
 ROW_TTL_S = 5.0
 
@@ -124,22 +128,11 @@ class Catalog:
         )
 
     def _embedding_model(self, row: Deployment, spec: DeploymentSpec) -> Model:
-        key = (spec.name, spec.checkpoint)
-        with self._lock:
-            loaded = self._encoders.get(key)
-        if loaded is None:
-            try:
-                config = EncoderConfig.from_pretrained(Path(spec.checkpoint))
-                loaded = config, EncoderTokenizer(spec.checkpoint, config.max_seq_length)
-            except (ModelLoadError, OSError, ValueError) as e:
-                raise APIError(
-                    503,
-                    f"the model '{spec.name}' is misconfigured: its checkpoint can't be read on the gateway ({e})",
-                    "model_unavailable",
-                ) from None
-            with self._lock:
-                self._encoders[key] = loaded
-        config, tokenizer = loaded
+        def load() -> tuple[EncoderConfig, EncoderTokenizer]:
+            config = EncoderConfig.from_pretrained(Path(spec.checkpoint))
+            return config, EncoderTokenizer(spec.checkpoint, config.max_seq_length)
+
+        config, tokenizer = self._loaded(self._encoders, spec, load)
         return Model(
             spec=spec,
             max_tokens_limit=0,
@@ -152,14 +145,26 @@ class Catalog:
         )
 
     def _checkpoint(self, spec: DeploymentSpec) -> tuple[ModelConfig, Tokenizer | None]:
+        def load() -> tuple[ModelConfig, Tokenizer | None]:
+            config, tokenizer = (
+                ModelConfig.from_pretrained(Path(spec.checkpoint)),
+                load_tokenizer(spec.checkpoint),
+            )
+            if tokenizer is not None:
+                tokenizer.warm()  # here, in a thread: a small request may tokenise on the event loop
+            return config, tokenizer
+
+        return self._loaded(self._checkpoints, spec, load)
+
+    def _loaded(self, cache: dict[tuple[str, str], T], spec: DeploymentSpec, load: Callable[[], T]) -> T:
+        """What ``load`` reads from ``spec``'s checkpoint, read once per (deployment, checkpoint); a checkpoint
+        the gateway cannot read is a 503 naming the model."""
         key = (spec.name, spec.checkpoint)
         with self._lock:
-            loaded = self._checkpoints.get(key)
+            loaded = cache.get(key)
         if loaded is None:
             try:
-                loaded = ModelConfig.from_pretrained(Path(spec.checkpoint)), load_tokenizer(spec.checkpoint)
-                if loaded[1] is not None:
-                    loaded[1].warm()  # here, in a thread: a small request may tokenise on the event loop
+                loaded = load()
             except (ModelLoadError, OSError, ValueError) as e:
                 raise APIError(
                     503,
@@ -167,7 +172,7 @@ class Catalog:
                     "model_unavailable",
                 ) from None
             with self._lock:
-                self._checkpoints[key] = loaded
+                cache[key] = loaded
         return loaded
 
 

@@ -19,13 +19,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse, Response
-from kombu.exceptions import OperationalError
 from pydantic import BaseModel, Field, field_validator
 from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
-from billing import metrics
-from gpu_workers.protocol import TASK_EMBED, Embeddings, EmbedTask, send_task
+from gpu_workers.protocol import TASK_EMBED, Embeddings, EmbedTask
 from gpu_workers.tokenizer import UnencodableText
 from tessera import records, routing, streaming
 from tessera.api.catalog import Model
@@ -35,8 +33,7 @@ from tessera.api.inference import AFFINITY_HEADER, DEADLINE_GRACE_S, REJECT_IF_B
 from tessera.api.schemas import Text, _Strict
 from tessera.errors import APIError
 from tessera.models import utcnow
-from tessera.quota_config import charge, max_cost
-from tessera.quotas import Held, QuotaUnavailable
+from tessera.quota_config import charge
 
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
 POOL = "serve"  # an embedding deployment's one pool (gpu_workers.pools.embed)
@@ -208,26 +205,7 @@ async def serve(
     spec = prepared.model.spec
     started_at = utcnow()
     prompt_tokens = prepared.prompt_tokens
-    looked_up = gw._cached_lookup(caller, spec.name, started_at)
-    if looked_up is None:
-        looked_up = await run_in_threadpool(gw._lookup, caller, spec.name, started_at)
-    scopes, price = looked_up
-    try:
-        decision, reservation = await gw.quotas.admit(
-            rid, scopes, prompt_tokens, max_cost(price, prompt_tokens, 0)
-        )
-    except QuotaUnavailable:
-        raise APIError(
-            503,
-            "the quota store (Redis) is unreachable, so no request can be admitted; retry shortly",
-            "quota_unavailable",
-            headers={"Retry-After": "5"},
-        ) from None
-    if reservation is None:
-        metrics.RATE_LIMITED.labels(limit=decision.limit or "unknown").inc()
-        await gw.recorder.reject(caller.tenant_id, caller.key_id, spec.name, decision.limit or "unknown")
-        raise APIError(429, decision.message(), decision.code, headers=decision.headers())
-    held = Held(gw.quotas, reservation)
+    decision, held, price = await gw.admit(caller, rid, spec.name, started_at, prompt_tokens, 0)
     try:
         salt = routing.affinity_salt(gw.settings.derive_key("affinity"), caller.tenant_id)
         key = routing.affinity_key(
@@ -241,25 +219,9 @@ async def serve(
         except RedisError:
             raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
         route = routing.Route(TASK_EMBED, routing.queue_of(worker), ((POOL, worker.worker_id),))
-        try:
-            await gw._check_capacity(route, reject_if_busy)
-        except APIError as e:
-            if e.status == 429:
-                await gw.recorder.reject(caller.tenant_id, caller.key_id, spec.name, "capacity")
-            raise
+        await gw.check_capacity(route, reject_if_busy, caller, spec.name)
         deadline = time.time() + gw.settings.request_timeout_s
-        task = EmbedTask(rid, spec.name, caller.tenant_id, prepared.inputs, deadline)
-        try:
-            await run_in_threadpool(
-                send_task,
-                gw.celery,
-                TASK_EMBED,
-                task.to_json(),
-                route.queue,
-                expires=max(1.0, deadline - time.time()),
-            )
-        except OperationalError:
-            raise APIError(503, "the task queue is unreachable; retry shortly", "queue_unavailable") from None
+        await gw.enqueue(route, EmbedTask(rid, spec.name, caller.tenant_id, prepared.inputs, deadline))
         reader = records.TimedReader(
             gw.redis,
             rid,

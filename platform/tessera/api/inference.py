@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from billing import metrics
-from gpu_workers.protocol import GenerateTask, Grammar, Sampling, send_task
+from gpu_workers.protocol import EmbedTask, GenerateTask, Grammar, Sampling, send_task
 from gpu_workers.tokenizer import ChatTemplateError
 from tessera import records, routing, streaming
 from tessera.api import tools
@@ -37,7 +37,7 @@ from tessera.api.structured import response_grammar
 from tessera.errors import APIError
 from tessera.models import utcnow
 from tessera.quota_config import PriceCache, PriceVersion, QuotaLookup, charge, max_cost
-from tessera.quotas import Held, Quotas, QuotaUnavailable, Scope
+from tessera.quotas import Decision, Held, Quotas, QuotaUnavailable, Scope
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -234,34 +234,9 @@ class Gateway:
         started_at = utcnow()
         prompt_tokens = len(prepared.prompt_ids)
 
-        # The caller's quota scopes and the price version billing prices the request with, both cached: most
-        # requests read no database and stay on the event loop; a miss reads it in a thread.
-        looked_up = self._cached_lookup(caller, spec.name, started_at)
-        if looked_up is None:
-            looked_up = await run_in_threadpool(self._lookup, caller, spec.name, started_at)
-        scopes, price = looked_up
-        try:
-            decision, reservation = await self.quotas.admit(
-                rid,
-                scopes,
-                prompt_tokens + prepared.sampling.max_tokens,
-                max_cost(price, prompt_tokens, prepared.sampling.max_tokens),
-            )
-        except QuotaUnavailable as e:  # fail closed: never admit a request whose quota cannot be checked
-            log.error("could not check the quotas of request %s: %s", rid, e)
-            raise APIError(
-                503,
-                "the quota store (Redis) is unreachable, so no request can be admitted; retry shortly",
-                "quota_unavailable",
-                headers={"Retry-After": "5"},
-            ) from None
-        if reservation is None:
-            metrics.RATE_LIMITED.labels(limit=decision.limit or "unknown").inc()
-            await self.recorder.reject(
-                caller.tenant_id, caller.key_id, spec.name, decision.limit or "unknown"
-            )
-            raise APIError(429, decision.message(), decision.code, headers=decision.headers())
-        held = Held(self.quotas, reservation)
+        decision, held, price = await self.admit(
+            caller, rid, spec.name, started_at, prompt_tokens, prepared.sampling.max_tokens
+        )
         streamed = False  # a stream settles when it ends; everything else settles here
         try:
             salt = routing.affinity_salt(self.settings.derive_key("affinity"), caller.tenant_id)
@@ -281,12 +256,7 @@ class Gateway:
             except RedisError as e:
                 log.error("could not read worker heartbeats for request %s: %s", rid, e)
                 raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
-            try:
-                await self._check_capacity(route, reject_if_busy)
-            except APIError as e:
-                if e.status == 429:  # busy, and the request asked to be rejected when busy
-                    await self.recorder.reject(caller.tenant_id, caller.key_id, spec.name, "capacity")
-                raise
+            await self.check_capacity(route, reject_if_busy, caller, spec.name)
             deadline = time.time() + self.settings.request_timeout_s
             task = GenerateTask(
                 request_id=rid,
@@ -297,7 +267,7 @@ class Gateway:
                 deadline=deadline,
                 decode_queue=route.decode_queue,
             )
-            await self._enqueue(route, task)
+            await self.enqueue(route, task)
             reader = records.TimedReader(
                 self.redis,
                 rid,
@@ -349,6 +319,48 @@ class Gateway:
             if not streamed:
                 await held.settle()
 
+    async def admit(
+        self, caller: Caller, rid: str, model: str, at: datetime, prompt_tokens: int, max_output: int
+    ) -> tuple[Decision, Held, PriceVersion | None]:
+        """Admit a request of ``prompt_tokens`` and at most ``max_output`` output tokens against its tenant's
+        (and key's) quotas: the decision (its rate-limit headers), the held reservation and the price version
+        it is billed at. Raises APIError: 429 over a limit (recorded as a rejection), 503 when the quota store
+        cannot be read (fail closed)."""
+        # The caller's quota scopes and the price version billing prices the request with, both cached: most
+        # requests read no database and stay on the event loop; a miss reads it in a thread.
+        looked_up = self._cached_lookup(caller, model, at)
+        if looked_up is None:
+            looked_up = await run_in_threadpool(self._lookup, caller, model, at)
+        scopes, price = looked_up
+        try:
+            decision, reservation = await self.quotas.admit(
+                rid, scopes, prompt_tokens + max_output, max_cost(price, prompt_tokens, max_output)
+            )
+        except QuotaUnavailable as e:  # fail closed: never admit a request whose quota cannot be checked
+            log.error("could not check the quotas of request %s: %s", rid, e)
+            raise APIError(
+                503,
+                "the quota store (Redis) is unreachable, so no request can be admitted; retry shortly",
+                "quota_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
+        if reservation is None:
+            metrics.RATE_LIMITED.labels(limit=decision.limit or "unknown").inc()
+            await self.recorder.reject(caller.tenant_id, caller.key_id, model, decision.limit or "unknown")
+            raise APIError(429, decision.message(), decision.code, headers=decision.headers())
+        return decision, Held(self.quotas, reservation), price
+
+    async def check_capacity(
+        self, route: routing.Route, reject_if_busy: bool, caller: Caller, model: str
+    ) -> None:
+        """``_check_capacity``, with a busy refusal the request asked for (429) recorded as a rejection."""
+        try:
+            await self._check_capacity(route, reject_if_busy)
+        except APIError as e:
+            if e.status == 429:  # busy, and the request asked to be rejected when busy
+                await self.recorder.reject(caller.tenant_id, caller.key_id, model, "capacity")
+            raise
+
     def _cached_lookup(
         self, caller: Caller, model: str, at: datetime
     ) -> tuple[list[Scope], PriceVersion | None] | None:
@@ -383,7 +395,7 @@ class Gateway:
             headers={"Retry-After": "2"},
         )
 
-    async def _enqueue(self, route: routing.Route, task: GenerateTask) -> None:
+    async def enqueue(self, route: routing.Route, task: GenerateTask | EmbedTask) -> None:
         expires = max(1.0, task.deadline - time.time())
         try:
             await run_in_threadpool(
