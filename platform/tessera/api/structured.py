@@ -8,6 +8,7 @@ grammar cannot enforce is a 400 naming it rather than a constraint silently drop
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 from jsonschema import SchemaError
@@ -33,6 +34,14 @@ def response_grammar(response_format: ResponseFormat | None) -> Grammar | None:
 def schema_grammar(schema: dict[str, Any], param: str) -> Grammar:
     """A grammar for JSON matching ``schema``; raises APIError 400 for a schema that is not valid JSON Schema
     or uses what the grammar cannot enforce."""
+    return _schema_grammar(json.dumps(schema, separators=(",", ":"), sort_keys=True), param)
+
+
+# The checks cost a schema's compile (~1 ms, more for large ones) on the request path; clients send the same
+# schema request after request. A refused schema is not cached (it raises), so it is checked again.
+@lru_cache(maxsize=256)
+def _schema_grammar(source: str, param: str) -> Grammar:
+    schema = json.loads(source)
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as e:
@@ -43,7 +52,7 @@ def schema_grammar(schema: dict[str, Any], param: str) -> Grammar:
             "invalid_json_schema",
             param=param,
         ) from None
-    grammar = Grammar("json_schema", json.dumps(schema, separators=(",", ":"), sort_keys=True))
+    grammar = Grammar("json_schema", source)
     try:
         check_grammar(grammar)
     except InvalidGrammar as e:
