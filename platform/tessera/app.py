@@ -23,6 +23,7 @@ from tessera import batch, db
 from tessera.api import admin, embeddings, errors, health, inference, invoices, usage, web, workers_ai
 from tessera.api.catalog import Catalog
 from tessera.api.deps import AdminCaller
+from tessera.api.guard import Drain, GuardMiddleware
 from tessera.auth import KeyVersion
 from tessera.errors import APIError
 from tessera.quota_config import QuotaLookup
@@ -79,8 +80,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_attempts=settings.batch_max_attempts,
     )
 
+    drain = Drain(settings.shutdown_grace_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        drain.bind()
         writer.start()
         billing_consumer.start()
         app.state.key_version.bind()  # key checks read the version through the async client on this loop
@@ -103,6 +107,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.records_writer = writer
     app.state.billing_consumer = billing_consumer
     app.state.batch_runner = batch_runner
+    app.state.drain = drain
+    # Inside the error middleware (installed next), so its answers carry the request id.
+    app.add_middleware(GuardMiddleware, body_timeout_s=settings.body_timeout_s, drain=drain)
     errors.install(app, settings.max_body_bytes, settings.batch_max_body_bytes)
     app.include_router(inference.router)
     app.include_router(embeddings.router)

@@ -62,6 +62,18 @@ class Settings(BaseSettings):
     batch_concurrency: int = Field(4, ge=1)
     batch_max_attempts: int = Field(3, ge=1)
     batch_runner_ttl_s: float = Field(10.0, gt=0)
+    # The API server's limits on what a client may hold (tessera.server; README "Server limits"), all here:
+    # a request's header block (h11's buffer cap: more is a 400 and the connection closed); how long its
+    # headers may take to arrive, counted from the connection's opening or its previous response; how long
+    # its whole body may take after the headers (else 408 and the connection closed); how long an idle
+    # keep-alive connection is kept; open connections beyond which a new request gets 503; and on SIGTERM,
+    # how long running requests get to finish before the server ends them (a stream with an error event).
+    max_header_bytes: int = Field(16_384, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    keep_alive_s: float = Field(5.0, gt=0)
+    max_connections: int = Field(1024, ge=1)
+    shutdown_grace_s: float = Field(5.0, ge=0)
 
     @field_validator("data_dir")
     @classmethod

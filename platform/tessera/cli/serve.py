@@ -75,15 +75,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> None:
-    import uvicorn
+    import logging
 
     from tessera.app import create_app
+    from tessera.server import server
+
+    # uvicorn configures its own loggers only: without this the API's own INFO lines (a drain begun, a
+    # client gone mid-body) would go nowhere.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tessera.settings import Settings
 
     overrides = {"host": args.host, "port": args.port}
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
-    # Long streams must not hold a shutdown hostage; their workers see the cancel when the socket closes.
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, timeout_graceful_shutdown=5)
+    server(create_app(settings), settings).run()
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
