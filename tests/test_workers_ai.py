@@ -180,6 +180,40 @@ def test_invalid_json_is_400_with_5007(gw, account):
     assert_envelope_error(response, 400, 5007)
 
 
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "text/plain", None], ids=["curl-d", "text", "none"]
+)
+def test_a_json_body_runs_whatever_its_content_type(gw, account, content_type):
+    """curl -d (README's example) declares form encoding: Workers AI reads the body as JSON regardless."""
+    gw.pools.script = reply(("Hello",))
+    headers = {**gw.auth(), **({"content-type": content_type} if content_type else {})}
+    response = gw.client.post(
+        f"/accounts/{account}/ai/run/{gw.model}", headers=headers, content=json.dumps({"prompt": "Hi"})
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["result"]["response"] == "Hello"
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", b"prompt=Hi"),
+        ("application/json", b'{"prompt": "\xff"}'),
+        ("text/plain", b"{not json"),
+    ],
+    ids=["form-fields", "not-utf8", "text-not-json"],
+)
+def test_a_body_that_does_not_parse_is_400_in_the_envelope(gw, account, content_type, body):
+    response = gw.client.post(
+        f"/accounts/{account}/ai/run/{gw.model}",
+        headers={**gw.auth(), "content-type": content_type},
+        content=body,
+    )
+    error = assert_envelope_error(response, 400, 5007)
+    assert "JSON" in error["message"], error
+    assert gw.pools.sent == []
+
+
 def test_unknown_model_is_5018(gw, account):
     assert_envelope_error(run(gw, account, {"prompt": "Hi"}, model="@cf/meta/nope"), 404, 5018)
 

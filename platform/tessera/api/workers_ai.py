@@ -78,13 +78,32 @@ class EnvelopeRoute(APIRoute):
         async def run(request: Request) -> Response:
             try:
                 _check_batch_size(request)
-                return await handler(request)
+                return await handler(await _as_json(request))
             except APIError as e:
                 return error_response(e)
             except RequestValidationError as e:
                 return error_response(validation_error(_untagged(e.errors())))
 
         return run
+
+
+async def _as_json(request: Request) -> Request:
+    """The request with its body declared JSON, whatever it was declared as: Workers AI reads every run body
+    as JSON, and ``curl -d`` declares form encoding. Bytes that are not UTF-8 are refused here, in the
+    envelope (FastAPI's own answer to them would be OpenAI's shape)."""
+    headers = [(name, value) for name, value in request.scope["headers"] if name != b"content-type"]
+    request = Request(
+        {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}, request.receive
+    )
+    try:
+        (await request.body()).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(
+            400,
+            f"the request body is not valid UTF-8 (byte {e.start}); send UTF-8 encoded JSON",
+            "invalid_json",
+        ) from None
+    return request
 
 
 def _check_batch_size(request: Request) -> None:
