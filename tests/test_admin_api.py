@@ -166,6 +166,17 @@ def test_unknown_tenant_key_and_deployment_are_404_and_bad_bodies_400(admin):
     assert "decode_kv" in assert_error(enum, 400)["message"]
 
 
+@pytest.mark.parametrize("value", [0.0, 1, "true", "no"])
+def test_admin_booleans_take_only_true_or_false(admin, value):
+    admin.call("POST", "/admin/tenants", json={"name": "initech"})
+    tenant = admin.call("PATCH", "/admin/tenants/initech", json={"disabled": value})
+    assert "disabled" in assert_error(tenant, 400)["message"]
+    assert admin.call("GET", "/admin/tenants/initech").json()["disabled"] is False
+    for field in ("enabled", "integrity_check", "prefix_cache"):
+        deployment = admin.call("PATCH", f"/admin/deployments/{admin.model}", json={field: value})
+        assert field in assert_error(deployment, 400)["message"]
+
+
 def test_deployment_patch_is_validated_with_reasons_and_audited_with_before_after_and_actor(admin):
     path = f"/admin/deployments/{admin.model}"
     bad = admin.call("PATCH", path, json={"page_size": 24})

@@ -274,6 +274,7 @@ def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everyt
         code = stop_up(up, signal.SIGTERM)
     assert code == 0, up.output
     assert_all_stopped(up)
+    assert group_or_other_readable(data_dir) == []  # the database, Redis' snapshot, every log, the models
 
 
 def test_up_on_a_port_in_use_refuses_before_starting_anything(tmp_path):
@@ -379,6 +380,52 @@ def test_killing_the_decode_worker_mid_stream_ends_that_stream_with_an_error_and
         code = stop_up(up, signal.SIGTERM)
     assert code == 0, up.output
     assert_all_stopped(up)
+
+
+def group_or_other_readable(data_dir: Path) -> list[str]:
+    return [
+        f"{path} {oct(path.stat().st_mode & 0o777)}"
+        for path in [data_dir, *data_dir.rglob("*")]
+        if not path.is_symlink() and path.stat().st_mode & 0o077
+    ]
+
+
+def test_up_keeps_the_data_dir_and_its_redirected_output_to_its_owner(tmp_path):
+    """Files an earlier run (or an older version) left readable, the output redirected into the data dir, and
+    what this run writes (Redis' snapshot, logs): all owner-only. Stopped as soon as its Redis runs."""
+    data_dir = tmp_path / "data"
+    (data_dir / "logs").mkdir(parents=True)
+    for name in ("tessera.db", "logs/api.log"):
+        (data_dir / name).touch(mode=0o644)
+        (data_dir / name).chmod(0o644)
+    (data_dir / "logs").chmod(0o755)
+    data_dir.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    command = [
+        sys.executable,
+        "-m",
+        "tessera.cli",
+        "up",
+        "--port",
+        str(free_port()),
+        "--data-dir",
+        str(data_dir),
+    ]
+    log = data_dir / "up.log"
+    with log.open("w") as out:  # as `tessera up > .tessera/up.log` opens it: the shell's umask, 0644
+        os.chmod(log, 0o644)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while "embedded Redis: socket" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    assert "made 6 path(s) readable by their owner only" in log.read_text(), log.read_text()
+    assert (data_dir / "redis.rdb").stat().st_size > 0  # written by this run's Redis as it stopped
+    assert group_or_other_readable(data_dir) == []
 
 
 def test_worker_threads_share_the_cores_and_keep_a_users_setting():

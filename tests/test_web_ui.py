@@ -542,6 +542,18 @@ def test_sign_in_works_from_the_keyboard_alone(context, server):
     wait_ready(page)
 
 
+def test_the_sign_in_page_loads_without_a_failed_request_or_console_error(context, server):
+    page = context.new_page()
+    failed: list[str] = []
+    page.on("console", lambda m: m.type == "error" and failed.append(m.text))
+    page.on("response", lambda r: r.status >= 400 and failed.append(f"{r.status} {r.url}"))
+    page.on("requestfailed", lambda r: failed.append(f"failed {r.url}"))
+    page.goto("/signin")
+    page.wait_for_load_state("networkidle")
+    assert page.get_by_label("API key").is_visible()
+    assert failed == [], failed
+
+
 def test_pool_status_refreshes_without_a_reload(context, server):
     page = context.new_page()
     sign_in(page, server.keys["admin"], "/signin?next=/admin")

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -411,6 +412,29 @@ def run_to_end(name: str, command: list[str]) -> None:
         )
 
 
+def make_private(data_dir: Path, out: TextIO) -> list[Path]:
+    """Keep the data dir to its owner: umask 077 for everything this run and its children create (the
+    database, Redis' snapshot, logs), and owner-only modes for what is there already; ``out`` too when it is
+    a file (``tessera up > up.log``), since it holds the first API key. Returns the paths it tightened."""
+    os.umask(0o077)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tightened = []
+    for path in [data_dir, *data_dir.rglob("*")]:
+        mode = path.lstat().st_mode
+        if not stat.S_ISLNK(mode) and mode & 0o077:
+            path.chmod(stat.S_IMODE(mode) & 0o700)
+            tightened.append(path)
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's buffer)
+        return tightened
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode) and mode & 0o077:
+        os.fchmod(fd, stat.S_IMODE(mode) & 0o700)
+        tightened.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+    return tightened
+
+
 def _on_sigterm(signum, frame) -> None:
     raise Shutdown()
 
@@ -423,6 +447,10 @@ def run_up(settings: Settings, out: TextIO = sys.stdout) -> int:
         launcher.lock.release()  # nothing else was started: nothing else to stop
         launcher.say(f"tessera up: error: {e}")
         return 1
+    if tightened := make_private(settings.data_dir, out):
+        more = f" and {len(tightened) - 5} more" if len(tightened) > 5 else ""
+        shown = ", ".join(str(path) for path in tightened[:5]) + more
+        launcher.say(f"made {len(tightened)} path(s) readable by their owner only: {shown}")
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     # Set explicitly: a process started from a background job inherits SIGINT ignored, and Ctrl-C must
     # still stop everything.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
 from tessera.quotas import Limits
@@ -45,7 +45,10 @@ class TenantCreate(_Request):
 
 
 class TenantUpdate(_Request):
-    disabled: bool | None = Field(None, description="true suspends the tenant: its keys stop authenticating")
+    # Strict: true or false only, never 0.0, 1 or "no" read as one of them.
+    disabled: StrictBool | None = Field(
+        None, description="true suspends the tenant: its keys stop authenticating"
+    )
 
 
 class TenantOut(BaseModel):
@@ -173,9 +176,9 @@ class DeploymentUpdate(_Request):
     local_prefill_max_tokens: int | None = Field(
         None, description="prompts up to this many tokens skip the prefill pool (0: none)"
     )
-    integrity_check: bool | None = None
-    prefix_cache: bool | None = None
-    enabled: bool | None = None
+    integrity_check: StrictBool | None = None
+    prefix_cache: StrictBool | None = None
+    enabled: StrictBool | None = None
 
 
 class DeploymentOut(DeploymentConfig):
