@@ -32,8 +32,8 @@ from gpu_workers.formats.kv_int8 import dequantize_int8_entries, quantize_int8_e
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
 from gpu_workers.kernels.fp8_linear_triton import fp8_linear_triton  # noqa: E402
 from gpu_workers.kernels.int4_linear_triton import int4_linear_triton, int4_tiles  # noqa: E402
-from gpu_workers.kernels.kv_write import write_kv_reference  # noqa: E402
-from gpu_workers.kernels.kv_write_triton import write_kv_triton  # noqa: E402
+from gpu_workers.kernels.kv_write import rotate_write_kv_reference, write_kv_reference  # noqa: E402
+from gpu_workers.kernels.kv_write_triton import rotate_write_kv_triton, write_kv_triton  # noqa: E402
 from gpu_workers.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_reference,
@@ -42,6 +42,8 @@ from gpu_workers.kernels.paged_attention import (  # noqa: E402
 from gpu_workers.kernels.paged_attention_cpu import paged_decode_attention_cpu  # noqa: E402
 from gpu_workers.kernels.paged_attention_triton import paged_decode_attention_triton  # noqa: E402
 from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference  # noqa: E402
+from gpu_workers.kernels.rms_norm import add_rms_norm_reference  # noqa: E402
+from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton  # noqa: E402
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
 from gpu_workers.tools.quantize import quantize_checkpoint  # noqa: E402
 
@@ -298,9 +300,10 @@ def test_a_decode_step_in_one_cpu_call_equals_rotate_write_then_attend(
     and the attention apart do (INT8: the keys' and queries' Hadamard rotation inside the call too)."""
     import gpu_workers.kernels.paged_attention_cpu as cpu
     from gpu_workers.checkpoint import RopeConfig
+    from gpu_workers.kernels.rotary import apply_rotary
     from gpu_workers.kv import PagedAttention
     from gpu_workers.kv.scales import KVScales
-    from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
+    from gpu_workers.model.rotary import RotaryEmbedding
 
     monkeypatch.setenv("TESSERA_KERNELS", "auto")
     spec, page_size, heads = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16), 4, 4
@@ -456,10 +459,67 @@ def test_cpu_fp8_write_equals_the_torch_path_bit_for_bit(monkeypatch):
             assert len(set(ref.k_scale[0].tolist())) > 2
 
 
-def test_int4_engine_on_kernels_generates_the_reference_tokens(tiny_llama_dir, tmp_path, monkeypatch):
-    """The engine's linear layers on the W4A16 kernel (interpreted) and on the torch reference agree."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_kernel_matches_reference(dtype, with_residual):
+    """The residual stream's sum and the normalised row: in fp32 the sum exactly and the row to fp32 rounding,
+    in bf16 both within one bf16 step (the interpreter truncates its casts); a width that is not a power of
+    two."""
+    gen = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(5, 40, generator=gen).to(dtype) * 3 for _ in range(2))
+    weight = (torch.rand(40, generator=gen) + 0.5).to(dtype)
+    residual = residual if with_residual else None
+    out, summed = add_rms_norm_triton(x, residual, weight, 1e-6)
+    ref_out, ref_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(summed, ref_summed)
+        assert_matches(out, ref_out, 1e-6)
+    else:
+        assert_matches(summed, ref_summed, 2**-7)
+        assert_matches(out, ref_out, 2**-6)  # a step off in the sum moves the row's scale too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("dim", [16, 24])  # 24: Hadamard blocks of 8, a padded tile
+def test_rotate_write_kv_kernel_matches_reference(dtype, kv, dim):
+    """Split, rotary, INT8 keys' and queries' Hadamard rotation and both writes in one launch: in fp32 the
+    same queries and cache bytes as the torch path; in bf16 within a few bf16 steps (the interpreter truncates
+    each of the rotation's three roundings), INT8 entries then within two codes of each other."""
+    from gpu_workers.checkpoint import RopeConfig
+    from gpu_workers.formats.kv_int8 import rotation_block
+    from gpu_workers.model.rotary import RotaryEmbedding
+
+    heads, kv_heads, tokens = 6, 2, 5
+    gen = torch.Generator().manual_seed(8)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 2).to(dtype)
+    cos, sin = RotaryEmbedding(RopeConfig(), dim)(torch.tensor([0, 3, 17, 40, 200]), dtype)
+    mapping = torch.randperm(32, generator=gen)[:tokens]
+    slot_dtype, width = (torch.int8, dim + 2) if kv == "int8" else (dtype, dim)
+    block = rotation_block(dim) if kv == "int8" else 1
+    outs = []
+    for rotate_write in (rotate_write_kv_triton, rotate_write_kv_reference):
+        k_slots, v_slots = (torch.zeros(32, kv_heads, width, dtype=slot_dtype) for _ in range(2))
+        q = rotate_write(qkv, cos, sin, heads, kv_heads, k_slots, v_slots, mapping, block)
+        outs.append((q, k_slots, v_slots))
+    (q, k, v), (ref_q, ref_k, ref_v) = outs
+    if kv == "int8":
+        k, v, ref_k, ref_v = (dequantize_int8_entries(x, torch.float32) for x in (k, v, ref_k, ref_v))
+    if dtype == torch.float32:
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    else:
+        for out, ref in ((q, ref_q), (k, ref_k), (v, ref_v)):
+            assert_matches(out, ref, 2**-6 if kv == "model" else 2 / 127)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_int4_engine_on_kernels_generates_the_reference_tokens(
+    tiny_llama_dir, tmp_path, monkeypatch, kv_cache_dtype
+):
+    """The engine on the Triton kernels (interpreted: W4A16 linears, add + RMSNorm, rotary inside the KV
+    write, decode attention) and on the torch references agree."""
     quantize_checkpoint(tiny_llama_dir, tmp_path / "int4", "int4", group_size=32)
-    config = EngineConfig(dtype="float32", kv_budget_bytes=2**20, page_size=4)
+    config = EngineConfig(dtype="float32", kv_budget_bytes=2**20, page_size=4, kv_cache_dtype=kv_cache_dtype)
     prompts = [[random.Random(s).randrange(2, 120) for _ in range(7 + s)] for s in range(2)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     monkeypatch.setenv("TESSERA_KERNELS", "reference")

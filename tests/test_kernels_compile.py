@@ -28,6 +28,7 @@ from gpu_workers.kernels import (  # noqa: E402
     int4_linear_triton,
     kv_write_triton,
     paged_attention_triton,  # noqa: E402
+    rms_norm_triton,
 )
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention  # noqa: E402
 
@@ -42,7 +43,8 @@ TRITON_TYPES = {
     torch.float8_e4m3fn: "fp8e4nv",
 }
 MODULES = {
-    kv_write_triton: ["_write_kv_kernel", "_write_int8_kernel"],
+    kv_write_triton: ["_write_kv_kernel", "_write_int8_kernel", "_rotate_write_kernel"],
+    rms_norm_triton: ["_add_rms_norm_kernel"],
     paged_attention_triton: ["_decode_split_kernel", "_merge_splits_kernel"],
     fp8_linear_triton: ["_fp8_gemm_kernel"],
     int4_linear_triton: ["_int4_gemm_kernel"],
@@ -158,6 +160,32 @@ def test_kv_write_and_paged_attention_compile_for_hopper(launches, kv_dtype, dty
         PagedAttention(cache, meta)(0, q, k, v, scale=0.125, sliding_window=window)
     write = "_write_int8_kernel" if kv_dtype == torch.int8 else "_write_kv_kernel"
     assert compile_all(launches) == {write, "_decode_split_kernel", "_merge_splits_kernel"}
+
+
+def test_fused_decode_layer_kernels_compile_for_hopper(launches):
+    # add + RMSNorm with and without a residual; q/k/v rotated and written for BF16 and INT8 (Hadamard)
+    # caches, from bf16 (what a GPU engine computes in) and fp32, a head size that is not a power of two.
+    for dtype, kv_dtype, head_dim in [
+        (torch.bfloat16, torch.bfloat16, 64),
+        (torch.bfloat16, torch.int8, 96),
+        (torch.float32, torch.float32, 64),
+    ]:
+        x = torch.randn(3, 320, dtype=dtype)
+        weight = torch.ones(320, dtype=dtype)
+        rms_norm_triton.add_rms_norm_triton(x, None, weight, 1e-6)
+        rms_norm_triton.add_rms_norm_triton(x, x, weight, 1e-6)
+        spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=head_dim)
+        cache = KVCache(spec, num_pages=8, page_size=16, dtype=kv_dtype, device="cpu")
+        meta = AttentionMetadata.build([[0, 1], [2]], [20, 5], [1, 1], 16)
+        qkv = torch.randn(2, 12 * head_dim, dtype=dtype)
+        cos, sin = torch.randn(2, head_dim, dtype=dtype), torch.randn(2, head_dim, dtype=dtype)
+        PagedAttention(cache, meta).rotate_and_attend(0, qkv, cos, sin, 8, 2, 0.125)
+    assert compile_all(launches) == {
+        "_add_rms_norm_kernel",
+        "_rotate_write_kernel",
+        "_decode_split_kernel",
+        "_merge_splits_kernel",
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -572,7 +572,7 @@ def write_and_decode_cpu(
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def _rotate(qkv, cos, sin, heads, kv_heads):
     """q [T, heads, dim] and k [T, kv_heads, dim] of a fused projection's output [T, (heads + 2 kv_heads) *
-    dim], rotated as ``model.rotary.apply_rotary`` rotates them, in qkv's element type and rounded as
+    dim], rotated as ``kernels.rotary.apply_rotary`` rotates them, in qkv's element type and rounded as
     torch rounds each of its ops there (x*cos, rotate_half(x)*sin, their sum)."""
     tokens, dim = qkv.shape[0], cos.shape[1]
     half = dim // 2
@@ -623,7 +623,7 @@ def rotate_write_and_decode_cpu(
 ) -> torch.Tensor:
     """``write_and_decode_cpu`` from a fused q/k/v projection's output [B, (heads + 2 kv_heads) * dim], q and
     k rotated first (``cos``, ``sin`` [B, dim]: ``host_array`` of the rotary tables, in qkv's dtype) exactly
-    as ``model.rotary.apply_rotary`` rotates them: the q/k/v split, the rotation, the K/V write and the
+    as ``kernels.rotary.apply_rotary`` rotates them: the q/k/v split, the rotation, the K/V write and the
     attention in one kernel call. Returns [B, heads, dim] in qkv's dtype."""
     tokens, dim = qkv.shape[0], cos.shape[1]
     packed = host_array(qkv)

@@ -10,6 +10,8 @@ merges the splits' partial results by their log-sum-exp.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -244,5 +246,11 @@ def paged_decode_attention_triton(
 
 def _num_splits(programs: int, span: int, device: torch.device) -> int:
     """Enough splits for about two programs per SM, none shorter than one tile."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _multiprocessors(device.index) if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(span, BLOCK_N), 64))
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    """The GPU's SM count, asked of the driver once (every layer of every step plans its splits)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count

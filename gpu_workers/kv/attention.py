@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_workers.kernels import use_cpu_kernels
+from gpu_workers.kernels import use_cpu_kernels, use_triton
+from gpu_workers.kernels.kv_write import rotate_write_kv
 from gpu_workers.kernels.paged_attention import paged_attention
 from gpu_workers.kv.cache import KVCache, WriteSpans
 
@@ -241,6 +242,12 @@ class PagedAttention:
         kernel serves, with new K/V it can store (quantised, or already in the cache's dtype)."""
         return self._decode_step is not None and (self.cache.quantized or dtype == self.cache.dtype)
 
+    def _rotates_in_write(self, qkv: torch.Tensor) -> bool:
+        """Whether the Triton kernels split, rotate and write q/k/v in one launch (``kernels.kv_write.
+        rotate_write_kv``): K and V of whole entries, unquantised or INT8 (FP8 pages open with scales)."""
+        cache = self.cache
+        return use_triton(qkv.device) and cache.spec.tensors == 2 and not cache.page_scaled and not cache.tail
+
     def rotate_and_attend(
         self,
         layer: int,
@@ -253,12 +260,20 @@ class PagedAttention:
         sliding_window: int | None = None,
     ) -> torch.Tensor | None:
         """From a fused q/k/v projection [T, (heads + 2 kv_heads) * dim]: rotate q and k by ``cos``/``sin``
-        [T, dim] (``model.rotary.apply_rotary``), then ``self(...)``, in one kernel call where a decode-only
-        step on the CPU kernels allows it; None where it does not (the caller then rotates and calls)."""
+        [T, dim] (``kernels.rotary.apply_rotary``), then ``self(...)``: on the Triton kernels the split,
+        rotation and write in one launch, then the attention; in one kernel call where a decode-only step on
+        the CPU kernels allows it; None where neither does (the caller then rotates and calls)."""
         dim = cos.shape[1]
-        if not self._one_call(qkv.dtype) or qkv.dtype != cos.dtype or not qkv.is_contiguous():
+        if qkv.dtype != cos.dtype or not qkv.is_contiguous() or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
             return None
-        if qkv.shape[1] != (heads + 2 * kv_heads) * dim:
+        if self._rotates_in_write(qkv):
+            k_slots, v_slots = self.cache.layer(layer)
+            q = rotate_write_kv(
+                qkv, cos, sin, heads, kv_heads, k_slots, v_slots, self.meta.slot_mapping, self.cache.key_block
+            )
+            scale /= self.cache.key_block  # queries read INT8 keys rotated alike (KVCache.queries)
+            return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window)
+        if not self._one_call(qkv.dtype):
             return None
         from gpu_workers.kernels.paged_attention_cpu import host_array, rotate_write_and_decode_cpu
 

@@ -24,11 +24,12 @@ import torch
 from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig, RopeConfig
+from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.kv import KVSpec
 from gpu_workers.model.layers import RMSNorm
 from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM
 from gpu_workers.model.moe import feed_forward
-from gpu_workers.model.rotary import apply_rotary, inverse_frequencies
+from gpu_workers.model.rotary import inverse_frequencies
 
 # DeepSeek's q_a/kv_a norms use the default epsilon whatever rms_norm_eps says (as transformers does).
 LATENT_NORM_EPS = 1e-6
@@ -190,10 +191,16 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.mlp = feed_forward(config, layer_idx)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
+        return self.mlp(x), residual
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.model.deepseek_v3 import ScaledRotary
 from gpu_workers.model.layers import RMSNorm, concat_linears
 from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM
 from gpu_workers.model.moe import feed_forward
-from gpu_workers.model.rotary import apply_rotary
 
 
 def rotary_dims(config: ModelConfig) -> int:
@@ -90,10 +90,16 @@ class Glm4MoeDecoderLayer(nn.Module):
         self.mlp = feed_forward(config, layer_idx)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
+        return self.mlp(x), residual
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):

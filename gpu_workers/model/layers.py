@@ -1,11 +1,13 @@
-"""Building blocks shared by the decoder architectures: RMSNorm, the SwiGLU feed-forward, and fusing
-linears that read the same input into one matmul."""
+"""Building blocks shared by the decoder architectures: RMSNorm (with the residual add before it), the
+SwiGLU feed-forward, and fusing linears that read the same input into one matmul."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu_workers.kernels.rms_norm import add_rms_norm, rms_norm_reference
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +19,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel, same math
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual stream's add and the next norm in one kernel where
+        Triton runs (``kernels.rms_norm``); without a residual, (norm(x), x)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def concat_linears(linears: list[nn.Module]) -> nn.Module | None:

@@ -14,9 +14,10 @@ from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.kernels.packed_linear import packed_copy
+from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.kv import KVSpec
 from gpu_workers.model.layers import MLP, RMSNorm, concat_linears
-from gpu_workers.model.rotary import RotaryEmbedding, apply_rotary
+from gpu_workers.model.rotary import RotaryEmbedding
 
 
 class AttentionBackend(Protocol):
@@ -100,7 +101,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x += attn(norm(x)); x += mlp(norm(x))."""
+    """x += attn(norm(x)); x += mlp(norm(x)), with x carried as (last sublayer's output, residual): each add
+    is done by the next norm (``RMSNorm.add_norm``), one kernel with it where Triton runs."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -110,10 +112,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -131,9 +139,10 @@ class DecoderStack(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.norm.add_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -66,10 +66,16 @@ class MixtralDecoderLayer(nn.Module):
         self.block_sparse_moe = SparseMoE(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
+        return self.block_sparse_moe(x), residual
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

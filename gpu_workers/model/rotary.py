@@ -37,7 +37,7 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Maps positions [T] to the (cos, sin) tables [T, head_dim] that ``apply_rotary`` uses."""
+    """Maps positions [T] to the (cos, sin) tables [T, head_dim] that ``kernels.rotary.apply_rotary`` uses."""
 
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
@@ -50,10 +50,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by its token's angles: x*cos + rotate_half(x)*sin (HF's half-split layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,43 @@
+"""Residual add + RMSNorm in one pass: ``add_rms_norm(x, residual, weight, eps)`` -> (normed, sum).
+
+A decoder layer adds its sublayer's output to the residual stream and normalises the sum for the next
+sublayer; done apart that is an add and RMSNorm's upcast, square, mean, rsqrt, scale, downcast and weight
+multiply, each a kernel launch on a GPU. Here the sum ``x + residual`` (in x's dtype, the next residual) and
+``weight * norm(sum)`` come from one kernel where Triton runs, from this reference elsewhere. Without a
+residual the sum is ``x`` itself (a layer stack's first norm). The arithmetic is HF's: normalised in float32,
+cast back to x's dtype, then times the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu_workers.kernels import use_triton
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension, normalised in float32."""
+    if x.dtype == torch.float32 == weight.dtype:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel, same math
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x if residual is None else x + residual
+    return rms_norm_reference(summed, weight, eps), summed
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``weight * norm(x + residual)``, ``x + residual``) for x, residual [T, hidden]."""
+    if use_triton(x.device) and x.dim() == 2:
+        from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
