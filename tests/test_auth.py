@@ -21,6 +21,7 @@ from api_processes import free_port
 from sqlalchemy import event, select
 from tessera import auth, db, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey
+from tessera.settings import RUNNING_REDIS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_RE = re.compile(r"^tsk_[a-z0-9]{8}_[A-Za-z0-9_-]{32,}$")
@@ -304,6 +305,29 @@ def test_a_key_revoked_with_the_cli_is_refused_by_every_api_process_within_a_sec
         check=True,
         capture_output=True,
     )
+    assert max(api_processes.refused_everywhere_within(raw, PROPAGATION_S)) < PROPAGATION_S
+
+
+def test_a_key_revoked_with_the_cli_under_tessera_up_reaches_its_redis_by_the_data_dir(
+    api_processes, replica_session
+):
+    """`tessera up` passes its embedded Redis to its own processes only; the CLI, run beside it with just
+    --data-dir, finds that Redis in the file the launcher writes there (here: the replicas' Redis)."""
+    _, key, raw = _tenant_with_key(replica_session)
+    assert [api_processes.status(url, raw) for url in api_processes.urls] == [200, 200]
+    data_dir = Path(api_processes.env["TESSERA_DATA_DIR"])
+    (data_dir / RUNNING_REDIS_FILE).write_text(REDIS_URL + "\n")
+    env = {k: v for k, v in api_processes.env.items() if k != "TESSERA_REDIS_URL"}
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "tessera.cli", "keys", "revoke", key.prefix, "--data-dir", str(data_dir)],
+            env=env,
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+        )
+    finally:
+        (data_dir / RUNNING_REDIS_FILE).unlink()
     assert max(api_processes.refused_everywhere_within(raw, PROPAGATION_S)) < PROPAGATION_S
 
 

@@ -7,6 +7,7 @@ dies, refuses a second run on its data dir or port, and on Ctrl-C or SIGTERM sto
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -270,11 +271,76 @@ def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everyt
         first_key = (data_dir / "first-key").read_text()
         models = httpx.get(f"{up.url}/v1/models", headers={"Authorization": f"Bearer {first_key}"})
         assert models.status_code == 200 and models.json()["data"][0]["id"] == DEFAULT_MODEL
+        assert revoked_with_the_cli_within(up) < 1.0
+        streams = streams_across(up, 4, first_key)
     finally:
         code = stop_up(up, signal.SIGTERM)
     assert code == 0, up.output
     assert_all_stopped(up)
+    # Every client saw its whole answer, or an error event: none a silent cut.
+    for ends in streams.results():
+        assert ends[-1] == "[DONE]", ends
+        assert ends[-2].get("error", {}).get("code") == "server_shutting_down" or ends[-2]["choices"][0][
+            "finish_reason"
+        ] in ("stop", "length"), ends
     assert group_or_other_readable(data_dir) == []  # the database, Redis' snapshot, every log, the models
+
+
+def cli(up: Up, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    command = [sys.executable, "-m", "tessera.cli", *args, "--data-dir", str(up.data_dir)]
+    return subprocess.run(command, env=env, check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def revoked_with_the_cli_within(up: Up) -> float:
+    """Seconds from `tessera keys revoke` (beside `tessera up`, knowing only its data dir) to the first 401."""
+    secret = cli(up, "keys", "create", "--tenant", "default").strip()
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert httpx.get(f"{up.url}/v1/models", headers=headers).status_code == 200  # cached as valid
+    cli(up, "keys", "revoke", secret[: len("tsk_") + 8])
+    revoked = time.monotonic()
+    while httpx.get(f"{up.url}/v1/models", headers=headers).status_code != 401:
+        assert time.monotonic() - revoked < 5, "the revoked key still works"
+        time.sleep(0.02)
+    return time.monotonic() - revoked
+
+
+@dataclass
+class Streams:
+    """Streams running on a thread each: their last two payloads (JSON decoded, but [DONE]) once they end."""
+
+    futures: list
+
+    def results(self) -> list[list]:
+        return [future.result(timeout=60) for future in self.futures]
+
+
+def streams_across(up: Up, count: int, key: str) -> Streams:
+    """``count`` long streams, each past its first token when this returns."""
+    started = threading.Barrier(count + 1, timeout=120)
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+
+    def run() -> list:
+        ends: list = []
+        try:
+            for data in stream_lines(up, {**body, "stream": True}, key):
+                ends = [*ends[-1:], data if data == "[DONE]" else json.loads(data)]
+                if len(ends) == 1:
+                    started.wait()
+        except BaseException:
+            started.abort()  # the test sees this error, not a barrier that never fills
+            raise
+        return ends
+
+    pool = concurrent.futures.ThreadPoolExecutor(count)
+    futures = [pool.submit(run) for _ in range(count)]
+    try:
+        started.wait()
+    except threading.BrokenBarrierError:
+        for future in futures:
+            future.result(timeout=60)
+        raise
+    return Streams(futures)
 
 
 def test_up_on_a_port_in_use_refuses_before_starting_anything(tmp_path):
@@ -314,8 +380,8 @@ def test_a_second_up_on_the_same_data_dir_or_port_refuses_and_the_first_keeps_se
     assert_all_stopped(first)
 
 
-def stream_lines(up: Up, body: dict):
-    headers = {"Authorization": f"Bearer {up.key}"}
+def stream_lines(up: Up, body: dict, key: str | None = None):
+    headers = {"Authorization": f"Bearer {key or up.key}"}
     with httpx.stream("POST", f"{up.url}/v1/completions", json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -377,9 +443,27 @@ def test_killing_the_decode_worker_mid_stream_ends_that_stream_with_an_error_and
             time.sleep(1)
         assert up.process.poll() is None and running(api)  # the platform and its API stayed up
     finally:
-        code = stop_up(up, signal.SIGTERM)
-    assert code == 0, up.output
-    assert_all_stopped(up)
+        up.process.kill()  # kill -9 of the supervisor: no stop() runs
+        up.process.wait()
+    # Its children die with it; only the embedded Redis, which daemonised, is left for the next run.
+    up.pids = descendants(up.process.pid) | up.pids | started_for(tmp_path)
+    deadline = time.monotonic() + 5
+    while orphans := {p for p in up.pids | started_for(tmp_path) if running(p)} - {up.redis_pid}:
+        assert time.monotonic() < deadline, f"orphans of the killed supervisor: {orphans}"
+        time.sleep(0.1)
+    following = start_up(tmp_path, wait=False)
+    try:
+        match = wait_for_line(following, r"embedded Redis: socket \S+ \(pid (\d+)\)", 60)
+        following.pids = {up.redis_pid, int(match.group(1))}
+        assert (
+            f"stopping the embedded Redis (pid {up.redis_pid}) an earlier run left running"
+            in following.output
+        )
+        assert not running(up.redis_pid)
+    finally:
+        code = stop_up(following, signal.SIGTERM)
+    assert code == 0, following.output
+    assert_all_stopped(following)
 
 
 def group_or_other_readable(data_dir: Path) -> list[str]:

@@ -3,9 +3,11 @@ exit logged with the tail of its log; one that keeps failing right after start i
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -227,3 +229,31 @@ def test_a_signal_while_a_child_starts_never_leaves_that_child_running_untracked
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, f"trial {trial}: {len(left)} child(ren) outlived the supervisor's stop()"
+
+
+SUPERVISE_TWO = (
+    "import sys, time; from pathlib import Path; from tessera.supervisor import Supervisor;"
+    "sup = Supervisor(sys.stdout);"
+    "[sup.spawn(name, [sys.executable, '-c', 'import time; time.sleep(120)'], None, Path(sys.argv[1]) / name)"
+    " for name in ('api', 'worker')];"
+    "print('spawned', *(c.process.pid for c in sup.children), flush=True); time.sleep(120)"
+)
+
+
+def test_a_supervisor_killed_with_sigkill_takes_its_children_with_it(tmp_path):
+    """No stop() runs after a kill -9: the children must die with it, not live on as orphans."""
+    process = subprocess.Popen([PY, "-c", SUPERVISE_TWO, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    line = next(line for line in process.stdout if line.startswith("spawned"))
+    children = [int(pid) for pid in line.split()[1:]]
+    assert len(children) == 2 and all(alive(pid) for pid in children)
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 5
+    try:
+        while any(alive(pid) for pid in children):
+            assert time.monotonic() < deadline, f"orphans still running: {[p for p in children if alive(p)]}"
+            time.sleep(0.02)
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -101,11 +101,10 @@ class KeyVersion:
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> KeyVersion | None:
-        """The counter in the settings' Redis; None when no Redis is configured (embedded mode's CLI)."""
-        settings = settings or get_settings()
-        if not settings.redis_url:
-            return None
-        return cls(connect_redis(settings.redis_url))
+        """The counter in the settings' Redis, or in the embedded one a ``tessera up`` on the data dir runs;
+        None when there is neither."""
+        url = (settings or get_settings()).running_redis_url
+        return cls(connect_redis(url)) if url else None
 
     def current(self) -> bytes | None:
         """The version now; None when Redis cannot say, so nothing cached can be trusted."""

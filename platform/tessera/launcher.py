@@ -43,7 +43,7 @@ from gpu_workers.protocol import (
 )
 from tessera import SHIPPED_MODEL_DIR, db, installed_smollm2, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
-from tessera.settings import Settings
+from tessera.settings import RUNNING_REDIS_FILE, Settings
 from tessera.supervisor import Child, DataDirLock, Supervisor, alive, check_port_free, stop_pid
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,12 @@ class Launcher:
         models = (CHAT_MODEL, CODE_MODEL, EMBEDDING_MODEL)
         server.delete(*(workers_key(model, pool) for model in models for pool in POOLS))
         self.say(f"embedded Redis: socket {server.socket_file} (pid {self.redis_pid})")
-        return f"redis+socket://{server.socket_file}"
+        url = f"redis+socket://{server.socket_file}"
+        # For the CLI (`tessera keys revoke --data-dir ...`), so its changes reach the API processes at once.
+        running = self.data_dir / RUNNING_REDIS_FILE
+        running.write_text(url + "\n")
+        self.redis_files.append(running)
+        return url
 
     def ensure_deployments(self, session: Session, redis: Redis) -> list[Served]:
         """The shipped models' deployments, created on the first run: SmolLM2 (disaggregated, its GGUF's own

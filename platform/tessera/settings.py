@@ -18,6 +18,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SECRET_KEY_FILE = "secret_key"
+# Written by `tessera up` while it runs: its embedded Redis' URL, for the CLI to announce changes through.
+RUNNING_REDIS_FILE = "redis.url"
 
 
 class Settings(BaseSettings):
@@ -106,6 +108,17 @@ class Settings(BaseSettings):
         if value <= 0:
             raise ValueError(f"must be positive, got {value}")
         return value
+
+    @property
+    def running_redis_url(self) -> str | None:
+        """The Redis the API processes use: ``redis_url``, else the embedded one a ``tessera up`` on this data
+        dir runs (the URL it writes to ``data_dir/redis.url`` while it runs); None when there is neither."""
+        if self.redis_url:
+            return self.redis_url
+        try:
+            return (self.data_dir / RUNNING_REDIS_FILE).read_text().strip() or None
+        except FileNotFoundError:
+            return None
 
     @functools.cached_property
     def secret(self) -> bytes:

@@ -4,6 +4,7 @@ backoff when they exit, or at once when a worker exits to reload its deployment'
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import signal
@@ -13,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -120,6 +121,7 @@ class Child:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own group: stopping it reaps what it forked
+                preexec_fn=die_with(os.getpid()),
             )
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -286,6 +288,22 @@ def signals_deferred(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM))
 
 
 # -- the platform --------------------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child is killed (SIGKILL) when ``parent``, the supervisor, dies, however it
+    dies: after a ``kill -9`` of ``tessera up`` no API or worker lives on holding the port and the pools, and
+    the next ``tessera up`` starts (it stops the embedded Redis the dead run left, which daemonised)."""
+
+    def preexec() -> None:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the supervisor died before the line above: nobody is left to tell
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 def signal_group(process: subprocess.Popen, sig: int) -> None:

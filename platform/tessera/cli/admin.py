@@ -25,6 +25,7 @@ from tessera.cli.common import parse_bytes, parse_optional_int
 if TYPE_CHECKING:  # imported inside the commands: SQLAlchemy, pydantic and rich would slow every `tessera`
     from sqlalchemy.orm import Session
 
+    from tessera.auth import KeyVersion
     from tessera.models import ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
     from tessera.settings import Settings
 
@@ -251,7 +252,10 @@ def cmd_tenants_toggle(args: argparse.Namespace) -> None:
     from tessera import tenancy
 
     with open_session(args) as session:
-        tenant = tenancy.set_tenant_disabled(session, args.name, args.disabled, actor=cli_actor())
+        with key_version(args) as version:
+            tenant = tenancy.set_tenant_disabled(
+                session, args.name, args.disabled, version=version, actor=cli_actor()
+            )
         emit(args, [tenant_row(tenant)], title="Tenant disabled" if args.disabled else "Tenant enabled")
 
 
@@ -290,7 +294,8 @@ def cmd_keys_revoke(args: argparse.Namespace) -> None:
     from tessera import tenancy
 
     with open_session(args) as session:
-        key = tenancy.revoke_key(session, args.prefix, actor=cli_actor())
+        with key_version(args) as version:
+            key = tenancy.revoke_key(session, args.prefix, version=version, actor=cli_actor())
         emit(args, [key_row(key, tenant=key.tenant.name)], title="Key revoked")
 
 
@@ -305,7 +310,8 @@ def cmd_keys_update(args: argparse.Namespace) -> None:
     if not changes:
         raise ValueError("nothing to update: pass --name or --expires-at (a time, or 'never')")
     with open_session(args) as session:
-        key = tenancy.update_key(session, args.prefix, **changes, actor=cli_actor())
+        with key_version(args) as version:
+            key = tenancy.update_key(session, args.prefix, **changes, version=version, actor=cli_actor())
         emit(args, [key_row(key, tenant=key.tenant.name)], title="Key updated")
 
 
@@ -421,6 +427,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
     given = {"database_url": args.database_url, "data_dir": args.data_dir}
     return Settings(**{k: v for k, v in given.items() if v is not None})
+
+
+@contextlib.contextmanager
+def key_version(args: argparse.Namespace) -> Iterator[KeyVersion | None]:
+    """The API processes' key-version counter, to tell them a key changed: in TESSERA_REDIS_URL's Redis, or
+    in the embedded one a `tessera up` on the data dir runs. None when there is neither."""
+    from tessera.auth import KeyVersion
+
+    version = KeyVersion.from_settings(settings_from(args))
+    try:
+        yield version
+    finally:
+        if version is not None:
+            version.redis.close()
 
 
 @contextlib.contextmanager
