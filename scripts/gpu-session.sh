@@ -15,7 +15,8 @@
 #   engine-graphs the bf16 checkpoint's kv-formats run again with decode steps from CUDA graphs
 #   step-profile a decode step's wall time against its GPU kernel time and launches, bf16 1B model,
 #                BF16 / FP8 KV at 1 and 64 concurrent, eager and from CUDA graphs (gpu_step_profile.py)
-#   tests        TESSERA_KERNELS=triton pytest tests/test_kernels.py (the interpreter, on this Triton), run on
+#   tests        TESSERA_KERNELS=triton pytest tests/test_kernels.py and tests/test_decode_launches.py (the
+#                interpreter, on this Triton: kernels vs references, launches per decode layer held), run on
 #                the CPUs alongside the GPU stages from the start, with the NumPy carried in .whl/interp
 #                where there is one (Triton 3.6's interpreter fails on NumPy 2.4, seen on a CPU too)
 # Each stage runs under its own timeout, capped by what is left of the whole script's deadline
@@ -57,7 +58,7 @@ if [ "$smoke" = 1 ]; then
         --kv-budget-bytes 8000000)
     engine_reps=(1 1)
     train_flags=(--device cpu --steps 3 --eval-every 3 --context 128 --batch-size 16 --warmup-steps 1)
-    tests=(tests/test_kernels.py -k "kv_write_bf16 or fp8_gemm")
+    tests=(tests/test_kernels.py tests/test_decode_launches.py -k "kv_write_bf16 or fp8_gemm or launches")
     profile_flags=(--device cpu --concurrency 1,4 --steps 3 --kv bf16 --cuda-graphs both)
     sweep_flags=(--device cpu --shape 256x128 --batch 1)
 else
@@ -76,7 +77,7 @@ else
     # bf16 autocast, 2 minutes of steps (warmup-stable-decay sized to it), 32 x 2,048-token windows per step.
     train_flags=(--device cuda --bf16 --budget-minutes 2 --context 2048 --batch-size 32 --lr 2e-3
         --warmup-steps 20 --eval-every 500 --log-every 50)
-    tests=(tests/test_kernels.py -n 6)
+    tests=(tests/test_kernels.py tests/test_decode_launches.py -n 6)
     profile_flags=(--device cuda --concurrency 1,64 --steps 10 --cuda-graphs both)
     sweep_flags=()
 fi

@@ -1,6 +1,8 @@
 """``tessera bench gguf``: a GGUF checkpoint per weight format: load time (a fresh process's first load, then a
 second load in the same process), resident memory (the process's growth from loading the engine and serving
-one request, with a 16 MiB KV cache; imports excluded), and decode tokens/s at each concurrency.
+one request, with a 16 MiB KV cache; imports excluded), and decode tokens/s at each concurrency; at one request, the decode step's median time against the time its
+linear layers alone take in the same process (every linear the step calls, the output projection included,
+on the inputs it gave them).
 
 Every (format, repeat) runs in its own process, formats interleaved repeat by repeat, so each process's memory
 is its own and a slow moment of the machine lands on every format alike. Ratios are paired by repeat against
@@ -13,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tessera.bench.stats import format_interval, mean_interval, ratio_interval
@@ -44,6 +47,7 @@ def measure(model: Path, weights: str, dtype: str, concurrency: list[int], token
     started = time.perf_counter()
     Engine.from_pretrained(model, config)
     warm = time.perf_counter() - started
+    profile = step_profile(engine, prompt, tokens) if 1 in concurrency else {}
     rates = {}
     for n in concurrency:
         started = time.perf_counter()
@@ -57,6 +61,62 @@ def measure(model: Path, weights: str, dtype: str, concurrency: list[int], token
         "warm_load_s": warm,
         "resident_mib": resident / 2**20,
         "tok_s": rates,
+        **profile,
+    }
+
+
+def step_profile(engine, prompt: list[int], tokens: int) -> dict:
+    """One request's median decode step (``Engine.step``: scheduling, forward, sampling, detokenising) and the
+    median time of the step's linear layers alone: each linear module called once per decode step, recorded
+    by a forward hook on one step, then called again on its recorded input, all of them in a row."""
+    import statistics
+
+    import torch
+
+    from gpu_workers import SamplingParams
+    from gpu_workers.kernels.packed_linear import PackedLinear
+    from gpu_workers.quant.linear import Fp8Linear, Int4Linear
+
+    engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    engine.step()  # the prompt
+    calls: list[tuple[Callable, torch.Tensor]] = []
+    kinds = (torch.nn.Linear, PackedLinear, Fp8Linear, Int4Linear)
+    model = engine.runner.model
+    hooks = [
+        m.register_forward_hook(lambda m, args, out: calls.append((m, args[0].clone())))
+        for m in model.modules()
+        if isinstance(m, kinds) and m is not model.lm_head
+    ]
+    # The output projection through compute_logits (a tied embedding is no module of its own): one row.
+    compute_logits = model.compute_logits
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        calls.append((compute_logits, hidden.clone()))
+        return compute_logits(hidden)
+
+    model.compute_logits = logits
+    engine.step()
+    for hook in hooks:
+        hook.remove()
+    del model.compute_logits
+    steps = []
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - started)
+    linears = []
+    with torch.inference_mode():
+        for _ in range(len(steps)):
+            started = time.perf_counter()
+            for module, x in calls:
+                module(x)
+            linears.append(time.perf_counter() - started)
+    step, linear = statistics.median(steps), statistics.median(linears)
+    return {
+        "step_ms": step * 1e3,
+        "linear_ms": linear * 1e3,
+        "step_vs_linear": step / linear,
+        "linears": len(calls),
     }
 
 
@@ -95,6 +155,13 @@ def run_gguf_bench(
                 "runs": [round(v, 1) for v in values],
                 f"vs_{base}": ratio_interval(values, [x["tok_s"][n] for x in runs[base]]),
             }
+        if "step_ms" in rows[0]:
+            entry["linears"] = rows[0]["linears"]
+            for key in ("step_ms", "linear_ms", "step_vs_linear"):
+                entry[key] = {
+                    "mean": mean_interval([x[key] for x in rows]),
+                    "runs": [round(x[key], 2) for x in rows],
+                }
         report["formats"][weights] = entry
     if as_json:
         print(json.dumps(report, indent=2))
@@ -105,6 +172,10 @@ def run_gguf_bench(
         for n, t in e["tok_s"].items():
             ratio = t[f"vs_{base}"]
             print(f"  {n:>3} requests: {format_interval(t['mean'], '.1f', ' tok/s')}  x{format_interval(ratio, '.2f')} vs {base}  runs {t['runs']}")  # fmt: skip
+        if "step_ms" in e:
+            print(f"  decode step at 1 request: {format_interval(e['step_ms']['mean'], '.2f', ' ms')}, its linears alone "
+                  f"{format_interval(e['linear_ms']['mean'], '.2f', ' ms')}: x{format_interval(e['step_vs_linear']['mean'], '.2f')}  "
+                  f"runs {e['step_vs_linear']['runs']}")  # fmt: skip
     return report
 
 
