@@ -136,6 +136,22 @@ class Grammar(Message):
 
 
 @dataclass
+class TokenLogprob(Message):
+    """A generated token's log-probability under the distribution it was sampled from (after penalties and
+    the grammar's mask; temperature 1 for greedy requests), and the ``top`` most likely tokens' (id,
+    logprob), most likely first. A token that distribution rules out has ``LOGPROB_FLOOR``."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+# OpenAI's value for a token with no probability (JSON has no -inf).
+LOGPROB_FLOOR = -9999.0
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
 class Sampling(Message):
     max_tokens: int
     temperature: float = 1.0
@@ -149,6 +165,7 @@ class Sampling(Message):
     presence_penalty: float = 0.0  # OpenAI's, -2..2; 0 = off
     repetition_penalty: float = 1.0  # HF/vLLM's, > 0; 1 = off
     grammar: Grammar | None = None  # the output must match it (response_format, tool calls)
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely (0..20)
 
 
 @dataclass
@@ -221,6 +238,7 @@ class Event(Message):
     error: dict[str, str] | None = None  # {"code", "message"}
     worker_id: str = ""
     embeddings: Embeddings | None = None  # the final event of an embedding request
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
 
 
 @dataclass

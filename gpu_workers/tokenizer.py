@@ -106,6 +106,36 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a character; a control
+        token is its own text), b"" for an id outside the vocabulary."""
+        token = self._tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        chars = self._byte_of_char
+        if chars is not None and all(c in chars for c in token):
+            return bytes(chars[c] for c in token)
+        if chars is not None:  # an added token outside the byte alphabet: its text as written
+            return token.encode()
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _byte_of_char(self) -> dict[str, int] | None:
+        """Byte-level BPE's alphabet, character to byte (GPT-2's table); None for other tokenizers."""
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+        if "ByteLevel" not in kinds:
+            return None
+        printable = [
+            *range(ord("!"), ord("~") + 1),
+            *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1),
+        ]
+        others = [b for b in range(256) if b not in printable]
+        table = {chr(b): b for b in printable}
+        table.update({chr(256 + i): b for i, b in enumerate(others)})
+        return table
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

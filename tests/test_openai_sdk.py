@@ -472,3 +472,50 @@ def _tenant_id(up, name: str) -> str:
         tenant = tenancy.get_tenant(session, name)
     engine.dispose()
     return tenant.id
+
+
+def test_logprobs_streamed_equal_whole_and_spell_the_answer(client):
+    kwargs = dict(
+        model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    whole = client.chat.completions.create(**kwargs)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens
+    spelled = b"".join(bytes(e.bytes) for e in entries).decode()
+    assert spelled.startswith(whole.choices[0].message.content)  # an end-of-sequence token may follow it
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the most likely
+        assert e.logprob == e.top_logprobs[0].logprob <= 0
+        assert sum(2.718281828459045**t.logprob for t in e.top_logprobs) <= 1 + 1e-6
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    # Without logprobs, none; top_logprobs alone or out of range is a 400 naming it.
+    plain = client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            client.chat.completions.create(model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=2, **bad)
+
+
+def test_completion_logprobs_in_the_legacy_form(client):
+    response = client.completions.create(
+        model=DEFAULT_MODEL, prompt="def fib(n):", max_tokens=8, temperature=0.8, seed=5, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = response.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == response.usage.completion_tokens == 8
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(8)]
+    assert all(
+        len(top) <= 2 and max(top.values()) >= lp
+        for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs, strict=True)
+    )
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=2, logprobs=21)

@@ -125,6 +125,31 @@ def test_auto_grammar_lets_text_run_and_constrains_a_call_once_it_starts():
     assert not accepts(call + " and more text")[0]
 
 
+def test_strict_false_tools_are_best_effort_not_enforced():
+    import llguidance
+
+    tokenizer = gguf_tokenizer(installed_smollm2())
+    lltokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size)
+    loose = [{**t, "function": {**t["function"], "strict": False}} for t in TOOLS]
+
+    def plan(**kwargs):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": ASK, **kwargs})
+        return tools.plan(body, tokenizer)
+
+    # auto with every tool loose: nothing constrained, the calls still parsed out of the text.
+    unconstrained = plan(tools=loose)
+    assert unconstrained.grammar is None and unconstrained.names == ("get_weather", "get_time")
+    # A forced call to a loose tool: the call's shape holds, its arguments need only be a JSON object.
+    source = check_grammar(plan(tools=loose, tool_choice="required").grammar, lltokenizer)
+    strict_source = check_grammar(plan(tools=TOOLS, tool_choice="required").grammar, lltokenizer)
+    off_schema = format_call("get_weather", '{"town": 5}')
+    for grammar, accepted in ((source, True), (strict_source, False)):
+        matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+        assert matcher.consume_tokens(tokenizer.encode(off_schema, add_special_tokens=False)) == accepted
+    matcher = llguidance.LLMatcher(lltokenizer, source, log_level=0)
+    assert not matcher.consume_tokens(tokenizer.encode("Sunny.", add_special_tokens=False))
+
+
 # A Qwen2.5-style template, reduced: it renders the tools it is given, past calls and tool results itself.
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t.function | tojson }}{% endfor %}"

@@ -31,7 +31,7 @@ from gpu_workers.engine.params import (
     StreamEvent,
 )
 from gpu_workers.engine.runner import ModelRunner
-from gpu_workers.engine.sampling import position_seed, sample
+from gpu_workers.engine.sampling import apply_penalties, position_seed, sample, token_logprobs
 from gpu_workers.engine.scheduler import Scheduler
 from gpu_workers.engine.sequence import Sequence, Status
 from gpu_workers.kernels.packed_linear import PackedLinear, pack_linears
@@ -40,6 +40,7 @@ from gpu_workers.kv.integrity import IntegrityTracker
 from gpu_workers.kv.manager import PageManager
 from gpu_workers.kv.prefix_cache import PrefixCache, prefix_cache_salt
 from gpu_workers.kv.transfer import KVBlock
+from gpu_workers.protocol import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -309,14 +310,17 @@ class Engine:
             seq.num_computed += n
             self.pages.publish(seq.table, seq.tokens, seq.num_computed)
         sampling = [batch.seqs[r] for r in rows]
+        params = [s.params for s in sampling]
         logits = self.grammars.mask(logits, [s.matcher for s in sampling])
-        tokens = sample(
-            logits,
-            [s.params for s in sampling],
-            [self._generator_for(s) for s in sampling],
-            [s.history() if s.params.has_penalties else ((), ()) for s in sampling],
+        logits = apply_penalties(
+            logits, params, [s.history() if s.params.has_penalties else ((), ()) for s in sampling]
         )
-        events += [self._append_token(seq, token) for seq, token in zip(sampling, tokens, strict=True)]
+        tokens = sample(logits, params, [self._generator_for(s) for s in sampling])
+        logprobs = token_logprobs(logits, params, tokens)
+        events += [
+            self._append_token(seq, token, logprob)
+            for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True)
+        ]
         self._counters["generated_tokens"] += len(tokens)
         self._failures.succeeded()
         self._work.notify_all()
@@ -602,8 +606,9 @@ class Engine:
         seq.error = error
         seq.emit([], "")
 
-    def _append_token(self, seq: Sequence, token: int) -> StreamEvent:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> StreamEvent:
         seq.output_ids.append(token)
+        logprobs = None if logprob is None else [logprob]
         text = ""
         reason = None
         grammar_done = grammar_failed = False
@@ -617,7 +622,7 @@ class Engine:
                 "error",
                 RequestError("grammar_failed", f"the output left its grammar: {seq.matcher.get_error()}"),
             )
-            return seq.deliver(seq.event([token], ""))
+            return seq.deliver(seq.event([token], "", logprobs))
         if token in seq.params.stop_token_ids or (not seq.params.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif seq.detokenizer is not None:
@@ -635,7 +640,7 @@ class Engine:
             if seq.detokenizer is not None and not seq.detokenizer.stopped and not continues:
                 text += seq.detokenizer.finish()
             self._finish(seq, reason)
-        event = seq.event([token], text)
+        event = seq.event([token], text, logprobs)
         if seq.export_kv is not None and reason in ("stop", "length"):
             self._exports.append((seq, event))  # delivered once its KV is converted, after the lock
             return event

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gpu_workers.engine.dtype import DTYPES, DtypeChoice, resolve_dtype
-from gpu_workers.protocol import Grammar
+from gpu_workers.protocol import MAX_TOP_LOGPROBS, Grammar, TokenLogprob
 
 # The error code of every request of an engine that stopped for good (``Engine.failed``): a device error, or
 # steps that kept failing. A worker reports it as ``worker_lost`` and exits so that it is restarted.
@@ -105,6 +105,9 @@ class SamplingParams:
     # The output must match it (``gpu_workers.grammars``): its mask is applied before penalties and sampling,
     # and the request stops where the grammar is complete.
     grammar: Grammar | None = None
+    # Each token's log-probability and that many most likely alternatives (0..20); None: none
+    # (``sampling.token_logprobs`` says which distribution).
+    logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -133,6 +136,14 @@ class SamplingParams:
             raise InvalidRequest(
                 "invalid_repetition_penalty",
                 f"repetition_penalty must be a finite number > 0 (1 disables it), got {rep!r}",
+            )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):  # fmt: skip
+            raise InvalidRequest(
+                "invalid_logprobs",
+                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}",
             )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -187,3 +198,4 @@ class StreamEvent:
     kv: Any = None  # on the final event of an export_kv request: its KVBlock
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once admitted)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked

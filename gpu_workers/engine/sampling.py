@@ -1,5 +1,5 @@
 """Turn a batch of next-token logits into tokens: repetition penalties, greedy, temperature, top-k, top-p,
-per-request seeds."""
+per-request seeds; and the log-probabilities of what was picked."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_workers.engine.params import SamplingParams
+from gpu_workers.protocol import LOGPROB_FLOOR, TokenLogprob
 
 # A row's token history: (prompt ids, ids generated so far in this request).
 History = tuple[Sequence[int], Sequence[int]]
@@ -51,6 +52,37 @@ def sample(
     for j, token in enumerate(first_argmax(probs / noise)):
         tokens[sampled_rows[j]] = token
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprob | None]:
+    """For each row that asks (``params.logprobs`` not None), the log-probability of its token and of its
+    most likely tokens under the distribution it was sampled from: softmax(logits / temperature) after
+    top-k/top-p for sampled rows, softmax(logits) for greedy ones. ``logits`` are the ones sampled from,
+    penalties and masks applied. None for the other rows; they cost nothing."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    picked = logits[rows]
+    logprobs = torch.empty_like(picked)
+    greedy = [j for j, i in enumerate(rows) if params[i].temperature == 0]
+    sampled = [j for j, i in enumerate(rows) if params[i].temperature > 0]
+    if greedy:
+        logprobs[greedy] = picked[greedy].log_softmax(dim=-1)
+    if sampled:
+        logprobs[sampled] = _probs(picked[sampled], [params[rows[j]] for j in sampled]).log()
+    logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
+    chosen = logprobs[torch.arange(len(rows)), torch.tensor([tokens[i] for i in rows])].tolist()
+    k = max(params[i].logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        top = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        out[i] = TokenLogprob(tokens[i], chosen[j], top)
+    return out
 
 
 def first_argmax(x: torch.Tensor) -> list[int]:

@@ -99,7 +99,7 @@ class Sequence:
             kv=self.kv,
         )
 
-    def event(self, token_ids: list[int], text: str) -> StreamEvent:
+    def event(self, token_ids: list[int], text: str, logprobs: list | None = None) -> StreamEvent:
         return StreamEvent(
             self.request_id,
             token_ids,
@@ -109,6 +109,7 @@ class Sequence:
             self.kv,
             len(self.prompt_ids),
             self.cached_tokens,
+            logprobs,
         )
 
     def deliver(self, event: StreamEvent) -> StreamEvent:

@@ -322,8 +322,11 @@ class StepWriter:
             token_ids = [t for e in events for t in e.token_ids]
             text = "".join(e.text for e in events)
             request.completion_tokens += len(token_ids)
+            logprobs = [lp for e in events for lp in e.logprobs or ()] or None
             if token_ids or text:
-                writes.append((request, Event(kind="token", token_ids=token_ids, text=text)))
+                writes.append(
+                    (request, Event(kind="token", token_ids=token_ids, text=text, logprobs=logprobs))
+                )
         pipe = self.client.pipeline(transaction=False)
         if writes:
             # Into the pipeline the script goes as a bare EVALSHA: redis-py's Script would make the pipeline

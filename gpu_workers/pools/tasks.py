@@ -84,6 +84,7 @@ def sampling_params(sampling: Sampling, max_tokens: int | None = None) -> Sampli
         presence_penalty=sampling.presence_penalty,
         repetition_penalty=sampling.repetition_penalty,
         grammar=sampling.grammar,
+        logprobs=sampling.logprobs,
     )
 
 

@@ -36,6 +36,7 @@ from gpu_workers.protocol import (
     STREAM_FIELD,
     STREAM_TTL_S,
     Event,
+    TokenLogprob,
     cancel_key,
     inflight_key,
     lease_key,
@@ -412,10 +413,12 @@ class Result:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     error: Event | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
 
     def add(self, event: Event) -> None:
         self.text += event.text
         self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs or ())
         if event.usage is not None:  # final events carry usage, and so may error events
             self.usage = event.usage
         if event.kind == "final":
@@ -430,6 +433,52 @@ class Result:
         return {"prompt_tokens": prompt_tokens, "cached_tokens": 0, "completion_tokens": len(self.token_ids)}
 
 
+@dataclass
+class StreamedLogprobs:
+    """Token logprobs in OpenAI's two forms: chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``
+    and completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``; a stream's offsets run on from
+    chunk to chunk. A token's text is its bytes as UTF-8, a partial character written as ``\\xNN``."""
+
+    kind: str
+    token_bytes: Callable[[int], bytes]
+    pending: list[TokenLogprob] = field(default_factory=list)
+    offset: int = 0  # characters of the completion before the next token (completions' text_offset)
+
+    def take(self, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any] | None:
+        """``logprobs`` (default: those pending, which are then cleared) in this kind's form; None if none."""
+        if logprobs is None:
+            logprobs, self.pending = self.pending, []
+        if not logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._entry(lp) for lp in logprobs], "refusal": None}
+        tokens, offsets = [], []
+        for lp in logprobs:
+            tokens.append(self._text(lp.token))
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="backslashreplace")
+
+    def _entry(self, lp: TokenLogprob) -> dict[str, Any]:
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            raw = self.token_bytes(token)
+            return {
+                "token": raw.decode("utf-8", errors="backslashreplace"),
+                "logprob": logprob,
+                "bytes": list(raw),
+            }
+
+        return {**one(lp.token, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
+
+
 @dataclass(frozen=True)
 class OpenAIShape:
     """Builds one request's OpenAI objects: ``chat`` (chat.completion) or ``text`` (text_completion). With
@@ -442,33 +491,41 @@ class OpenAIShape:
     created: int
     cost: Pricing | None = None
     tool_names: tuple[str, ...] = ()
+    # With logprobs asked: a token id's bytes (the model's tokenizer), to write each token's text.
+    token_bytes: Callable[[int], bytes] | None = None
     _parser: ToolCallParser | None = field(default=None, init=False, repr=False, compare=False)
+    _logprobs: StreamedLogprobs | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # A stream's parser, fresh for each copy (``dataclasses.replace`` makes one per request).
+        # A stream's state, fresh for each copy (``dataclasses.replace`` makes one per request).
         if self.tool_names:
             object.__setattr__(self, "_parser", ToolCallParser(self.tool_names))
+        if self.token_bytes is not None:
+            object.__setattr__(self, "_logprobs", StreamedLogprobs(self.kind, self.token_bytes))
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]:
         finish = FINISH_REASONS.get(result.finish_reason or "stop", "stop")
+        logprobs = None
+        if self.token_bytes is not None:
+            logprobs = StreamedLogprobs(self.kind, self.token_bytes).take(result.logprobs)
         if self.kind == "chat" and self.tool_names:
             message = parse_message(result.text, self.tool_names)
             body: dict[str, Any] = {"role": "assistant", "content": message.content}
             if message.tool_calls:
                 body["tool_calls"] = message.tool_calls
                 finish = "tool_calls" if finish == "stop" else finish
-            choice = {"index": 0, "message": body, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "message": body, "finish_reason": finish, "logprobs": logprobs}
             obj = "chat.completion"
         elif self.kind == "chat":
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": result.text, "finish_reason": finish, "logprobs": logprobs}
             obj = "text_completion"
         return {
             **self._head(obj),
@@ -476,8 +533,19 @@ class OpenAIShape:
             "usage": usage_body(result.usage_or_count(prompt_tokens), self.cost),
         }
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any] | None:
+        """A chunk for ``text`` (and its tokens' ``logprobs``); None when there is nothing to send yet: a
+        tool call's markup not decided, or logprobs alone while tool calls are parsed (they go with the next
+        chunk sent, the last one at the latest)."""
         finish = FINISH_REASONS.get(finish_reason, "stop") if finish_reason else None
+        if self._logprobs is not None and logprobs:
+            self._logprobs.pending.extend(logprobs)
         if self.kind == "chat" and self._parser is not None and not first:
             deltas = self._parser.feed(text)
             if finish_reason:
@@ -487,16 +555,19 @@ class OpenAIShape:
             delta = _openai_delta(deltas)
             if not delta and finish is None:
                 return None
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._pending()}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         if self.kind == "chat":
             delta: dict[str, Any] = {"content": text} if text or first else {}
             if first:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": self._pending()}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self._pending()}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def _pending(self) -> dict[str, Any] | None:
+        return None if self._logprobs is None else self._logprobs.take()
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -540,7 +611,13 @@ class Shape(Protocol):
 
     def response(self, result: Result, prompt_tokens: int) -> dict[str, Any]: ...
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None: ...
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any] | None: ...
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
 
@@ -628,7 +705,14 @@ class WorkersAIShape:
                 answer = json.loads(result.text)
         return workers_ai_envelope({"response": answer, "usage": usage})
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict[str, Any] | None:
+    def chunk(
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any] | None:
+        # Workers AI's run route has no logprobs: its requests never ask for them.
         if self._parser is None:
             return {"response": text} if text else None
         deltas = self._parser.feed(text) + (self._parser.finish() if finish_reason else [])
@@ -688,8 +772,8 @@ async def sse(
                     yield _dump(shape.error_chunk(event_error(event)))
                     break
                 finish = event.finish_reason if event.kind == "final" else None
-                if event.text or finish:
-                    chunk = shape.chunk(event.text, finish)
+                if event.text or finish or event.logprobs:
+                    chunk = shape.chunk(event.text, finish, logprobs=event.logprobs)
                     if chunk is not None:
                         yield _dump(chunk)
         if include_usage and result.error is None:

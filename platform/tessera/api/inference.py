@@ -135,6 +135,7 @@ class Gateway:
             presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             grammar=self._grammar(body, tool_plan),
+            logprobs=body.logprobs_asked(),
         )
         if sampling.grammar is not None and model.tokenizer is None:
             raise APIError(
@@ -147,6 +148,11 @@ class Gateway:
             raise APIError(
                 400, "stop strings need a tokenizer, which this model lacks", "no_tokenizer", param="stop"
             )
+        if sampling.logprobs is not None and model.tokenizer is None:
+            raise APIError(
+                400, "logprobs need a tokenizer (to write each token), which this model lacks", "no_tokenizer",
+                param="logprobs",
+            )  # fmt: skip
         names = tool_plan.names if tool_plan is not None else ()
         return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage, names)
 
@@ -285,6 +291,9 @@ class Gateway:
                     spec.name,
                     int(time.time()),
                     tool_names=prepared.tool_names,
+                    token_bytes=prepared.model.tokenizer.token_bytes
+                    if prepared.sampling.logprobs is not None and prepared.model.tokenizer is not None
+                    else None,
                 )
             shape = dataclasses.replace(shape, cost=lambda usage: charge(price, usage).usage_fields())
 

@@ -5,7 +5,7 @@ Unknown top-level fields are ignored, as OpenAI's API does; parameters we know b
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from gpu_workers.protocol import MAX_TOP_LOGPROBS
 from gpu_workers.tokenizer import check_text
 
 MAX_STOP_SEQUENCES = 4
@@ -26,8 +27,6 @@ TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 # OpenAI parameters this gateway cannot honour: refused rather than silently ignored.
 UNSUPPORTED = (
     "functions",
-    "logprobs",
-    "top_logprobs",
     "logit_bias",
     "echo",
     "suffix",
@@ -113,6 +112,8 @@ class ChatMessage(_Strict):
 class GenerationRequest(_Strict):
     """What both endpoints share. ``None`` means the default, as in OpenAI's API."""
 
+    unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED
+
     model: Text = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -136,7 +137,7 @@ class GenerationRequest(_Strict):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in UNSUPPORTED:
+            for name in cls.unsupported:
                 if data.get(name) not in (None, False, [], {}, 0):
                     raise ValueError(f"'{name}' is not supported by this API; remove it from the request")
         return data
@@ -174,6 +175,10 @@ class GenerationRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each token's logprob comes with; None when logprobs were not asked for."""
+        return None
+
 
 class JsonSchemaFormat(_Strict):
     name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
@@ -207,7 +212,9 @@ class FunctionDefinition(_Strict):
     description: Text | None = None
     # The arguments' JSON Schema (an object); checked and enforced as response_format's schemas are.
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the arguments are always enforced here (grammar-constrained)
+    # Absent or true: the arguments are enforced (grammar-constrained); false: OpenAI's best effort, nothing
+    # enforced under tool_choice auto, and a forced call's arguments only held to be a JSON object.
+    strict: bool | None = None
 
 
 class Tool(_Strict):
@@ -232,6 +239,19 @@ class ChatCompletionRequest(GenerationRequest):
     # OpenAI's default: "auto" when there are tools, "none" otherwise.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Each output token's log-probability (the distribution it was sampled from: after penalties and the
+    # grammar's mask, temperature 1 when greedy), with top_logprobs most likely alternatives.
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -249,6 +269,13 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
+    unsupported: ClassVar[tuple[str, ...]] = (*UNSUPPORTED, "top_logprobs")
+    # Each output token's log-probability and this many most likely alternatives (OpenAI's legacy form).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
     # OpenAI also takes a batch (a list of strings or of token-id lists); a batch of one is unwrapped
     # before validation, so errors name the one prompt's own problem.
     prompt: Text | list[int]

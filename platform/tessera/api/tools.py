@@ -6,7 +6,9 @@ transformers passes them); otherwise a system message lists them and the call fo
 calls and tool results are written into the conversation in the call format the grammar enforces.
 ``required`` or a named function forces a call whose arguments match the tool's parameters; ``auto``
 lets the model write text or start a call, whose arguments are constrained once it starts; ``none``
-renders no tools and constrains nothing.
+renders no tools and constrains nothing. A tool sent with ``strict: false`` asks for OpenAI's best effort:
+its arguments are held to be a JSON object only, and under ``auto`` with every tool so, nothing is
+constrained (the calls are parsed from what the model writes).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tessera.errors import APIError
 from tessera.tool_calls import CALL_END, CALL_OPEN, CALL_SEPARATOR, call_header, format_call
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
+ANY_OBJECT = {"type": "object"}
 # The arguments as json.dumps writes them (and as the prompt shows them): no free whitespace, so a model
 # cannot pad a call with blanks until its token budget runs out.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -84,10 +87,16 @@ def plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan:
         template_tools = None
         messages = _with_tools_prompt(messages, tools, parallel)
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    signature = json.dumps([[t.function.name, t.function.parameters] for t in tools], sort_keys=True)
+    names = tuple(t.function.name for t in tools)
+    if choice == "auto" and all(t.function.strict is False for t in tools):
+        return ToolPlan(messages, template_tools, None, names)
+    signature = json.dumps(
+        [[t.function.name, t.function.parameters, t.function.strict is not False] for t in tools],
+        sort_keys=True,
+    )
     # One call to a named function, as OpenAI's API makes.
     grammar = _calls_grammar(signature, named, required=choice != "auto", parallel=parallel and not named)
-    return ToolPlan(messages, template_tools, grammar, tuple(t.function.name for t in tools))
+    return ToolPlan(messages, template_tools, grammar, names)
 
 
 def _parameters(name: str, schema: dict[str, Any] | None, index: int) -> dict[str, Any]:
@@ -109,11 +118,15 @@ def _parameters(name: str, schema: dict[str, Any] | None, index: int) -> dict[st
 # Checking and compiling the tools costs ~1 ms a tool; agents send the same tools turn after turn.
 @lru_cache(maxsize=256)
 def _calls_grammar(signature: str, named: str | None, required: bool, parallel: bool) -> Grammar:
-    """Lark for one call (or several, one a line) to one of the tools (``signature``: their names and
-    parameters as JSON; ``named``: that one only), arguments validated by its schema; unless ``required``,
+    """Lark for one call (or several, one a line) to one of the tools (``signature``: their names, parameters
+    and whether they are strict, as JSON; ``named``: that one only), arguments validated by the schema of a
+    strict tool and held to be a JSON object for the others; unless ``required``,
     free text instead, or text and then calls: a lazy lexeme ends the text at the first ``CALL_OPEN``,
     where the call's grammar takes over. Raises APIError 400 naming a tool whose parameters cannot be used."""
-    tools = [(name, _parameters(name, schema, i)) for i, (name, schema) in enumerate(json.loads(signature))]
+    tools = [
+        (name, _parameters(name, schema, i) if strict else ANY_OBJECT)
+        for i, (name, schema, strict) in enumerate(json.loads(signature))
+    ]
     rules = []
     for i, (name, schema) in enumerate(t for t in tools if named in (None, t[0])):
         arguments = {**schema, "x-guidance": _JSON_STYLE}

@@ -1,6 +1,7 @@
 """``tessera eval``: ``quality`` (a model's memory-format variants against its baseline), ``lm`` (held-out
 loss of one or more models side by side, in bits per byte and by position) and ``completions`` (greedy
-completions of fixed function and class heads: the share that parses, repeated 4-grams).
+completions of fixed function and class heads: the share that parses, repeated 4-grams) and ``tools`` (the
+tool-call suite through a running API).
 
 ``add_commands`` registers ``eval`` on the main parser's subcommands; gpu_workers (and torch) load only
 when the command runs. User errors raise ValueError, which ``tessera.cli.main`` prints without a traceback.
@@ -172,6 +173,43 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     comp.add_argument("--json", action="store_true", help="print one JSON object with every completion")
     comp.set_defaults(func=cmd_eval_completions)
+    tools = evals.add_parser(
+        "tools",
+        help="the 111-case tool-call suite through a running API: valid calls, right tool, right arguments",
+        description="Send each case of the tool-call suite (gpu_workers/tools/eval/tool_suite.py: ten tools "
+        "with nested objects, enums, arrays and optional fields, three or four offered per case, some "
+        "conversations carrying an earlier call and its result) to each model through the API with the "
+        "OpenAI SDK, and report the share of calls that parse and validate against their tool's schema, the "
+        "share of cases calling the expected tool and the share whose call holds the expected arguments, "
+        "each with a 95%% Wilson interval. Modes: unconstrained (tool_choice auto, tools strict: false: "
+        "nothing enforced), auto (a call constrained once started), required (a call forced and "
+        "constrained). --stream-check sends every case streamed too and counts the answers that equal the "
+        "non-streamed ones.",
+    )
+    tools.add_argument("--api-url", required=True, metavar="URL", help="the API, e.g. http://127.0.0.1:8787")
+    tools.add_argument("--api-key", required=True, metavar="KEY", help="a tenant's API key")
+    tools.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="[LABEL=]ID",
+        help="a model id to evaluate, optionally labelled (repeatable), e.g. 'int4=@eval/smollm2-int4'",
+    )
+    tools.add_argument(
+        "--mode",
+        default="unconstrained,auto,required",
+        help="comma-separated modes: unconstrained, auto, required (default: all three)",
+    )
+    tools.add_argument("--concurrency", type=parse_positive_int, default=16, metavar="N")
+    tools.add_argument("--max-tokens", type=parse_positive_int, default=128, metavar="N")
+    tools.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    tools.add_argument("--seed", type=int, default=0, help="case i is sent with seed SEED + i")
+    tools.add_argument(
+        "--limit", type=parse_positive_int, default=None, metavar="N", help="the first N cases"
+    )
+    tools.add_argument("--stream-check", action="store_true", help="send every case streamed too and compare")
+    tools.add_argument("--json", action="store_true", help="print one JSON object with every run")
+    tools.set_defaults(func=cmd_eval_tools)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -347,6 +385,34 @@ def head_label(head: str) -> str:
     ]
     label = " ".join(keep or head.splitlines()[:1])
     return (label if len(label) <= 70 else label[:69] + "…").replace("|", "\\|")
+
+
+def cmd_eval_tools(args: argparse.Namespace) -> int:
+    from gpu_workers.tools.eval.tool_calls import format_row, run_tool_eval
+
+    models = {}
+    for spec in args.model:
+        label, _, model = spec.rpartition("=")
+        models[label or model] = model
+    results = run_tool_eval(
+        args.api_url,
+        args.api_key,
+        models,
+        [m.strip() for m in args.mode.split(",") if m.strip()],
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stream_check=args.stream_check,
+        limit=args.limit,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for row in results["runs"]:
+            print(f"{row['label']:<16} {row['mode']:<14} {format_row(row)}")
+    return 0
 
 
 def cmd_eval_completions(args: argparse.Namespace) -> int:
