@@ -347,7 +347,8 @@ BAD_BODIES = {
     "stream-string": ({"messages": _msgs(), "stream": "yes"}, "stream"),
     "stop-not-strings": ({"messages": _msgs(), "stop": [1]}, "stop"),
     "too-many-stops": ({"messages": _msgs(), "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    "n-two": ({"messages": _msgs(), "n": 2}, "n"),
+    "n-nine": ({"messages": _msgs(), "n": 9}, "n"),
+    "n-zero": ({"messages": _msgs(), "n": 0}, "n"),
     "tools": ({"messages": _msgs(), "tools": [{"type": "function"}]}, None),
 }
 

@@ -519,3 +519,32 @@ def test_completion_logprobs_in_the_legacy_form(client):
     )
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=2, logprobs=21)
+
+
+def test_n_choices_share_the_prompt_and_are_billed_as_the_sum_of_their_outputs(client, up_redis):
+    from tessera.streaming import decode_entry
+
+    prompt = "import os\n" * 30 + "def main():"
+    kwargs = dict(model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=10, seed=7)
+    kwargs.update(temperature=1.0, logprobs=True)
+    whole = client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    lengths = [len(c.logprobs.content) for c in whole.choices]
+    assert whole.usage.completion_tokens == sum(lengths)
+    one = client.chat.completions.create(**kwargs, max_completion_tokens=1)
+    assert whole.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt billed once
+    assert len({c.message.content for c in whole.choices}) > 1  # each choice draws with its own seed
+    # Choices 1 and 2 ran after choice 0 had prefilled the prompt: all its full pages came from the cache.
+    rid = whole.id.removeprefix("chatcmpl-")
+    for i in (1, 2):
+        final = decode_entry(up_redis.xrevrange(stream_key(f"{rid}-{i}"), count=1)[0][1])
+        assert final.usage["cached_tokens"] >= whole.usage.prompt_tokens - 16
+    # Streamed, the same choices, each under its index.
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**kwargs, n=3, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert [finishes[i] for i in range(3)] == [c.finish_reason for c in whole.choices]

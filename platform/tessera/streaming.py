@@ -750,37 +750,57 @@ async def collect(reader: StreamReader) -> Result:
 
 
 async def sse(
-    reader: StreamReader,
-    shape: Shape,
+    events: AsyncIterator[tuple[int, Event]],
+    shapes: list[Shape],
     prompt_tokens: int,
     include_usage: bool,
-    on_finish: Callable[[Result], None],
+    on_finish: Callable[[list[Result]], None],
+    usage_of: Callable[[list[Result]], dict[str, int]] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE ``data:`` payloads: a role chunk, content chunks, the finish chunk, usage if asked, ``[DONE]``.
+    """SSE ``data:`` payloads of a request's choices (``events``: (choice index, event), ``shapes``: one per
+    choice): a role chunk per choice, content chunks as they come, each choice's finish chunk, usage if
+    asked (``usage_of`` the results, default the one choice's), ``[DONE]``.
 
-    A worker error after the stream began becomes an OpenAI error chunk (the status is already 200).
-    ``on_finish`` gets the accumulated result, however the stream ended.
+    A worker error after the stream began becomes an OpenAI error chunk (the status is already 200) and
+    ends the stream. ``on_finish`` gets the accumulated results, however the stream ended.
     """
-    result = Result()
+    results = [Result() for _ in shapes]
+    many = len(shapes) > 1
     try:
-        if shape.kind == "chat":
-            yield _dump(shape.chunk("", None, first=True))
-        async with aclosing(reader.events()) as events:
-            async for event in events:
-                result.add(event)
+        for index, shape in enumerate(shapes):
+            if shape.kind == "chat":
+                yield _dump(_indexed(shape.chunk("", None, first=True), index, many))
+        async with aclosing(events) as tagged:
+            async for index, event in tagged:
+                results[index].add(event)
                 if event.kind == "error":
-                    yield _dump(shape.error_chunk(event_error(event)))
+                    yield _dump(shapes[index].error_chunk(event_error(event)))
                     break
                 finish = event.finish_reason if event.kind == "final" else None
                 if event.text or finish or event.logprobs:
-                    chunk = shape.chunk(event.text, finish, logprobs=event.logprobs)
+                    chunk = shapes[index].chunk(event.text, finish, logprobs=event.logprobs)
                     if chunk is not None:
-                        yield _dump(chunk)
-        if include_usage and result.error is None:
-            yield _dump(shape.usage_chunk(result.usage_or_count(prompt_tokens)))
+                        yield _dump(_indexed(chunk, index, many))
+        if include_usage and all(r.error is None for r in results):
+            usage = usage_of(results) if usage_of else results[0].usage_or_count(prompt_tokens)
+            yield _dump(shapes[0].usage_chunk(usage))
         yield "[DONE]"
     finally:
-        on_finish(result)
+        on_finish(results)
+
+
+async def tagged(reader: StreamReader) -> AsyncIterator[tuple[int, Event]]:
+    """One request's events as choice 0's (``sse``'s input for a single choice)."""
+    async with aclosing(reader.events()) as events:
+        async for event in events:
+            yield 0, event
+
+
+def _indexed(obj: dict[str, Any] | None, index: int, many: bool) -> dict[str, Any] | None:
+    if many and obj is not None:
+        for choice in obj.get("choices", ()):
+            choice["index"] = index
+    return obj
 
 
 # Characters str.splitlines (and so httpx's ``iter_lines`` and many SSE clients) splits a line at, which

@@ -34,6 +34,7 @@ from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import parse_body, request_id
 from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from tessera.api.structured import response_grammar
+from tessera.choices import choice_events, choice_seed, collect_choices, combined
 from tessera.errors import APIError
 from tessera.models import utcnow
 from tessera.quota_config import PriceCache, PriceVersion, QuotaLookup, charge, max_cost
@@ -59,6 +60,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     tool_names: tuple[str, ...] = ()  # the tools the answer's calls are parsed against (none: plain text)
+    n: int = 1  # choices (tessera.choices)
 
 
 @dataclass
@@ -154,7 +156,7 @@ class Gateway:
                 param="logprobs",
             )  # fmt: skip
         names = tool_plan.names if tool_plan is not None else ()
-        return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage, names)
+        return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage, names, body.n or 1)
 
     @staticmethod
     def _tool_plan(model: Model, body: GenerationRequest) -> tools.ToolPlan | None:
@@ -241,7 +243,7 @@ class Gateway:
         prompt_tokens = len(prepared.prompt_ids)
 
         decision, held, price = await self.admit(
-            caller, rid, spec.name, started_at, prompt_tokens, prepared.sampling.max_tokens
+            caller, rid, spec.name, started_at, prompt_tokens, prepared.n * prepared.sampling.max_tokens
         )
         streamed = False  # a stream settles when it ends; everything else settles here
         try:
@@ -264,26 +266,37 @@ class Gateway:
                 raise APIError(503, "Redis is unreachable; retry shortly", "queue_unavailable") from None
             await self.check_capacity(route, reject_if_busy, caller, spec.name)
             deadline = time.time() + self.settings.request_timeout_s
-            task = GenerateTask(
-                request_id=rid,
-                deployment=spec.name,
-                tenant=caller.tenant_id,
-                prompt_ids=prepared.prompt_ids,
-                sampling=prepared.sampling,
-                deadline=deadline,
-                decode_queue=route.decode_queue,
-            )
-            await self.enqueue(route, task)
-            reader = records.TimedReader(
-                self.redis,
-                rid,
-                spec.name,
-                deadline + DEADLINE_GRACE_S,
-                route.workers,
-                self.settings.worker_heartbeat_ttl_s,
-                client_gone=None if prepared.stream else request.is_disconnected,
-                started_at=started_at,
-            )
+            tasks = [
+                GenerateTask(
+                    request_id=rid if i == 0 else f"{rid}-{i}",
+                    deployment=spec.name,
+                    tenant=caller.tenant_id,
+                    prompt_ids=prepared.prompt_ids,
+                    sampling=dataclasses.replace(prepared.sampling, seed=choice_seed(prepared.sampling.seed, i)),
+                    deadline=deadline,
+                    decode_queue=route.decode_queue,
+                )
+                for i in range(prepared.n)
+            ]
+            await self.enqueue(route, tasks[0])
+            readers = [
+                records.TimedReader(
+                    self.redis,
+                    task.request_id,
+                    spec.name,
+                    deadline + DEADLINE_GRACE_S,
+                    route.workers,
+                    self.settings.worker_heartbeat_ttl_s,
+                    client_gone=None if prepared.stream else request.is_disconnected,
+                    started_at=started_at,
+                )
+                for task in tasks
+            ]
+
+            async def start_others() -> None:
+                for task in tasks[1:]:
+                    await self.enqueue(route, task)
+
             if shape is None:
                 shape = streaming.OpenAIShape(
                     kind,
@@ -295,16 +308,24 @@ class Gateway:
                     if prepared.sampling.logprobs is not None and prepared.model.tokenizer is not None
                     else None,
                 )
-            shape = dataclasses.replace(shape, cost=lambda usage: charge(price, usage).usage_fields())
+            # One copy per choice: each holds its own stream's state (tool-call parser, logprobs offsets).
+            shapes = [
+                dataclasses.replace(shape, cost=lambda usage: charge(price, usage).usage_fields())
+                for _ in tasks
+            ]
 
-            def settle(result: streaming.Result) -> None:
+            def usage_of(results: list[streaming.Result]) -> dict[str, int]:
+                return combined(results, prompt_tokens).usage_or_count(prompt_tokens)
+
+            def settle(results: list[streaming.Result]) -> None:
+                result = combined(results, prompt_tokens)
                 if result.usage is not None or result.token_ids:  # else it failed before producing tokens
                     usage = result.usage_or_count(prompt_tokens)
                     held.used_tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
                     held.used_cost = charge(price, usage).total
                 outcome = records.outcome_of(
                     result,
-                    reader,
+                    readers[0],
                     tenant_id=caller.tenant_id,
                     key_id=caller.key_id,
                     model=spec.name,
@@ -313,17 +334,29 @@ class Gateway:
                 self.recorder.submit(outcome)
 
             if prepared.stream:
-                chunks = streaming.sse(reader, shape, prompt_tokens, prepared.include_usage, settle)
+                events = (
+                    streaming.tagged(readers[0]) if len(readers) == 1 else choice_events(readers, start_others)
+                )
+                chunks = streaming.sse(
+                    events, shapes, prompt_tokens, prepared.include_usage, settle, usage_of=usage_of
+                )
                 body = held.guard(chunks)
                 streamed = True
                 return EventSourceResponse(
                     body, ping=15, headers=decision.headers(), background=BackgroundTask(held.close, body)
                 )
-            result = await streaming.collect(reader)
-            settle(result)
+            results = await collect_choices(readers, start_others)
+            settle(results)
+            result = combined(results, prompt_tokens)
             if result.error is not None:
                 raise streaming.event_error(result.error)
-            return JSONResponse(shape.response(result, prompt_tokens), headers=decision.headers())
+            answer = shapes[0].response(result, prompt_tokens)
+            if len(results) > 1:
+                answer["choices"] = [
+                    {**one.response(r, prompt_tokens)["choices"][0], "index": i}
+                    for i, (one, r) in enumerate(zip(shapes, results, strict=True))
+                ]
+            return JSONResponse(answer, headers=decision.headers())
         finally:
             if not streamed:
                 await held.settle()

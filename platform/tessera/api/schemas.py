@@ -23,6 +23,7 @@ from gpu_workers.tokenizer import check_text
 MAX_STOP_SEQUENCES = 4
 MAX_SEED = 2**63 - 1
 MAX_TOOLS = 128  # as OpenAI's API
+MAX_CHOICES = 8  # n: each choice is a generation of its own (tessera.choices)
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 # OpenAI parameters this gateway cannot honour: refused rather than silently ignored.
 UNSUPPORTED = (
@@ -123,7 +124,8 @@ class GenerationRequest(_Strict):
     stop: list[Text] | None = None  # a single string is taken as a list of one
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    # Choices to generate for the prompt (its KV prefilled once, shared through the prefix cache).
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: Text | None = None
     # An extension (as vLLM's): generate exactly max_tokens, past end-of-sequence; benchmarks need fixed lengths.
     ignore_eos: bool = False
@@ -155,13 +157,6 @@ class GenerationRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {value}; send separate requests for more choices")
         return value
 
     @property
