@@ -66,9 +66,10 @@ def measure(model: Path, weights: str, dtype: str, concurrency: list[int], token
 
 
 def step_profile(engine, prompt: list[int], tokens: int) -> dict:
-    """One request's median decode step (``Engine.step``: scheduling, forward, sampling, detokenising) and the
-    median time of the step's linear layers alone: each linear module called once per decode step, recorded
-    by a forward hook on one step, then called again on its recorded input, all of them in a row."""
+    """One request's median decode step (``Engine.step``: scheduling, forward, sampling, detokenising), the
+    median time of the step's linear layers alone (each linear module called once per decode step, recorded
+    by a forward hook on one step, then called again on its recorded input, all of them in a row, after each
+    step), and the median of their ratio step by step."""
     import statistics
 
     import torch
@@ -99,23 +100,24 @@ def step_profile(engine, prompt: list[int], tokens: int) -> dict:
     for hook in hooks:
         hook.remove()
     del model.compute_logits
-    steps = []
+    # Each step followed by one pass of its linears: a busy machine slows both alike, and the ratio is taken
+    # pair by pair.
+    steps, linears = [], []
     while engine.has_unfinished():
         started = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - started)
-    linears = []
-    with torch.inference_mode():
-        for _ in range(len(steps)):
-            started = time.perf_counter()
+        started = time.perf_counter()
+        with torch.inference_mode():
             for module, x in calls:
                 module(x)
-            linears.append(time.perf_counter() - started)
+        linears.append(time.perf_counter() - started)
     step, linear = statistics.median(steps), statistics.median(linears)
+    ratio = statistics.median(s / x for s, x in zip(steps, linears, strict=True))
     return {
         "step_ms": step * 1e3,
         "linear_ms": linear * 1e3,
-        "step_vs_linear": step / linear,
+        "step_vs_linear": ratio,
         "linears": len(calls),
     }
 
