@@ -310,21 +310,26 @@ def test_bad_tools_are_400_naming_what_to_fix_and_leave_the_workers_serving(clie
     assert_valid_calls(answer.choices[0].message)
 
 
-def _answer(client, seed: int, stream: bool, temperature: float = 1.0) -> tuple:
+def _answer(client, seed: int, stream: bool) -> tuple:
+    """(content, calls, finish reason, the generated tokens' bytes): the tokens come from logprobs, so a pair
+    of answers that differ can be told apart: other tokens, or the same tokens rendered otherwise."""
     # Odd seeds must call (several calls, the last often cut by max_tokens), even ones may answer in text.
     choice = "required" if seed % 2 else "auto"
     kwargs = dict(
         model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=48, seed=seed,
-        temperature=temperature,
+        temperature=1.0, logprobs=True,
     )  # fmt: skip
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         calls = [(c.id[:5], c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return choice.message.content, calls, choice.finish_reason
-    content, calls, finish = None, {}, None
+        tokens = tuple(bytes(t.bytes) for t in choice.logprobs.content)
+        return choice.message.content, calls, choice.finish_reason, tokens
+    content, calls, finish, tokens = None, {}, None, []
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
             delta = choice.delta
+            if choice.logprobs is not None:
+                tokens += [bytes(t.bytes) for t in choice.logprobs.content]
             if delta.content:
                 content = (content or "") + delta.content
             for call in delta.tool_calls or []:
@@ -333,29 +338,32 @@ def _answer(client, seed: int, stream: bool, temperature: float = 1.0) -> tuple:
                     calls[call.index] = [call.id[:5], call.function.name, ""]
                 calls[call.index][2] += call.function.arguments or ""
             finish = choice.finish_reason or finish
-    return content, [tuple(c) for _, c in sorted(calls.items())], finish
+    return content, [tuple(c) for _, c in sorted(calls.items())], finish, tuple(tokens)
 
 
-# Under concurrency a sampled answer depends on the batches it ran in (logits a few ulps apart: run 16 at a
-# time, 7 of 16 seeds answered otherwise than run one at a time, and 1 of 16 otherwise than the same 16
-# again; sent in pairs, stream and not, 1 of 16 still did). So at 16 concurrent the answers are greedy and
-# each one's streamed and non-streamed requests are sent together: what is compared is the gateway's
-# streaming, not the engine's batch invariance (the parser test above proves the rest for any cut).
+# Seeded and sampled (temperature 1): the non-streamed answers all sent together, then the streamed ones, so
+# each pair ran in different batches (the second from the prefix cache). One at a time, the pairs are the
+# same answer. Sixteen at a time, a pair may be generated differently: on this CPU the engine computes in
+# float32, whose GEMMs round differently for a few rows than for many, so another batch can move a logit
+# by ~1e-5 and a sampled token with it (BENCHMARKS.md, "Stream == non-stream"). What the gateway owns is
+# proven on every pair with the same tokens: the same content, calls and finish reason, streamed or not.
 @pytest.mark.slow
-@pytest.mark.parametrize("concurrency, temperature", [(1, 1.0), (16, 0.0)])
-def test_streamed_tool_calls_equal_the_non_streamed_answer(client, concurrency, temperature):
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_streamed_tool_calls_equal_the_non_streamed_answer(client, concurrency):
     seeds = list(range(100 * concurrency, 100 * concurrency + max(4, concurrency)))
-    # The prompt's pages cached first: a prompt prefilled whole and one read back from the prefix cache
-    # also give logits a few ulps apart.
-    _answer(client, 0, False)
-    runs = [(seed, stream, temperature) for seed in seeds for stream in (False, True)]
-    with ThreadPoolExecutor(2 * concurrency) as pool:
-        answers = dict(zip(runs, pool.map(lambda run: _answer(client, *run), runs), strict=True))
-    whole = [answers[seed, False, temperature] for seed in seeds]
-    assert [answers[seed, True, temperature] for seed in seeds] == whole
-    assert any(calls for _, calls, _ in whole), (
-        "no seed made a call: the comparison proved nothing about calls"
+    answers = {}
+    for stream in (False, True):
+        with ThreadPoolExecutor(concurrency) as pool:
+            answers[stream] = list(pool.map(lambda seed, stream=stream: _answer(client, seed, stream), seeds))
+    pairs = list(zip(answers[False], answers[True], strict=True))
+    generated_alike = [(whole, streamed) for whole, streamed in pairs if whole[3] == streamed[3]]
+    assert [streamed for _, streamed in generated_alike] == [whole for whole, _ in generated_alike]
+    if concurrency == 1:
+        assert len(generated_alike) == len(pairs)
+    assert any(calls for (_, calls, _, _), _ in generated_alike), (
+        "no pair generated alike made a call: the comparison proved nothing about calls"
     )
+    assert all(len(whole[3]) > 0 for whole, _ in pairs)
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ non-streamed answer.
 
 Modes: ``unconstrained`` (tool_choice auto, every tool ``strict: false``: nothing enforced, the model's own
 calls as the API parses them), ``auto`` (the default: a call is constrained once the model starts one) and
-``required`` (a call is forced and constrained). Every case expects one call, so it is sent with
+``required`` (a call is forced and constrained). Answers are asked with logprobs, so a streamed answer that
+differs from the non-streamed one can be told apart: other tokens (the generation differed) or the same
+tokens written otherwise (the stream's fault). Every case expects one call, so it is sent with
 ``parallel_tool_calls: false``: a second call cut by ``max_tokens`` would count against the first.
 """
 
@@ -27,8 +29,9 @@ MODES: dict[str, tuple[str, bool | None]] = {
     "auto": ("auto", None),
     "required": ("required", None),
 }
-# An answer as the client sees it: content, the calls as (name, arguments text), finish reason.
-Answer = tuple[str | None, list[tuple[str, str]], str | None]
+# An answer as the client sees it: content, the calls as (name, arguments text), finish reason, and the
+# tokens generated (their bytes, from logprobs), which tell a different generation from a different rendering.
+Answer = tuple[str | None, list[tuple[str, str]], str | None, tuple[bytes, ...]]
 
 
 def wilson(successes: int, trials: int, z: float = 1.96) -> list[float]:
@@ -46,15 +49,18 @@ def ask(client, model: str, case: Case, mode: str, seed: int, stream: bool, **sa
     tool_choice, strict = MODES[mode]
     kwargs = dict(
         model=model, messages=case.messages, tools=case.openai_tools(strict), tool_choice=tool_choice, seed=seed,
-        parallel_tool_calls=False, **sampling,
+        parallel_tool_calls=False, logprobs=True, **sampling,
     )  # fmt: skip
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        return choice.message.content, calls, choice.finish_reason
-    content, calls, finish = None, {}, None
+        tokens = tuple(bytes(t.bytes) for t in choice.logprobs.content) if choice.logprobs else ()
+        return choice.message.content, calls, choice.finish_reason, tokens
+    content, calls, finish, tokens = None, {}, None, []
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens += [bytes(t.bytes) for t in choice.logprobs.content or ()]
             if choice.delta.content:
                 content = (content or "") + choice.delta.content
             for call in choice.delta.tool_calls or []:
@@ -62,7 +68,7 @@ def ask(client, model: str, case: Case, mode: str, seed: int, stream: bool, **sa
                     calls[call.index] = [call.function.name, ""]
                 calls[call.index][1] += call.function.arguments or ""
             finish = choice.finish_reason or finish
-    return content, [tuple(c) for _, c in sorted(calls.items())], finish
+    return content, [tuple(c) for _, c in sorted(calls.items())], finish, tuple(tokens)
 
 
 def judge(case: Case, answer: Answer) -> dict[str, bool]:
@@ -70,7 +76,7 @@ def judge(case: Case, answer: Answer) -> dict[str, bool]:
     whether its first call is to the expected tool, and whether that call holds the expected arguments."""
     import jsonschema
 
-    _, calls, finish = answer
+    _, calls, finish, _ = answer
     valid = bool(calls)
     for name, arguments in calls:
         try:
@@ -162,9 +168,15 @@ def run_tool_eval(
                 if j["called"] and not j["valid"]
             ]
             if stream_check:
-                differ = [cases[i].name for i in range(len(cases)) if answers[i, True] != whole[i]]
+                # A pair whose tokens differ was generated differently (the engine's numerics in another
+                # batch); a pair with the same tokens and a different answer would be the stream's fault.
+                differ = [i for i in range(len(cases)) if answers[i, True] != whole[i]]
+                rendered = [cases[i].name for i in differ if answers[i, True][3] == whole[i][3]]
                 row["stream_equal"] = len(cases) - len(differ)
-                row["stream_differ"] = differ
+                row["stream_differ_generated"] = [
+                    cases[i].name for i in differ if answers[i, True][3] != whole[i][3]
+                ]
+                row["stream_differ_rendered"] = rendered
             row["seconds"] = round(time.perf_counter() - start, 1)
             results["runs"].append(row)
             progress(f"{label} {mode}: {format_row(row)}")
@@ -182,5 +194,9 @@ def format_row(row: dict[str, Any]) -> str:
         f"right tool {share('right_tool')}, right arguments {share('right_arguments')}"
     )
     if "stream_equal" in row:
-        text += f", stream == non-stream {row['stream_equal']}/{row['cases']}"
+        text += (
+            f", stream == non-stream {row['stream_equal']}/{row['cases']} (differing: "
+            f"{len(row['stream_differ_generated'])} generated other tokens, "
+            f"{len(row['stream_differ_rendered'])} rendered the same tokens otherwise)"
+        )
     return text

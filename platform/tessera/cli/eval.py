@@ -1,7 +1,7 @@
 """``tessera eval``: ``quality`` (a model's memory-format variants against its baseline), ``lm`` (held-out
 loss of one or more models side by side, in bits per byte and by position) and ``completions`` (greedy
-completions of fixed function and class heads: the share that parses, repeated 4-grams) and ``tools`` (the
-tool-call suite through a running API).
+completions of fixed function and class heads: the share that parses, repeated 4-grams), ``tools`` (the
+tool-call suite through a running API) and ``structured`` (answers under 20 JSON Schemas through the API).
 
 ``add_commands`` registers ``eval`` on the main parser's subcommands; gpu_workers (and torch) load only
 when the command runs. User errors raise ValueError, which ``tessera.cli.main`` prints without a traceback.
@@ -210,6 +210,26 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     tools.add_argument("--stream-check", action="store_true", help="send every case streamed too and compare")
     tools.add_argument("--json", action="store_true", help="print one JSON object with every run")
     tools.set_defaults(func=cmd_eval_tools)
+    st = evals.add_parser(
+        "structured",
+        help="answers under 20 JSON Schemas through a running API: the share that parses and validates",
+        description="Ask a model for JSON under each of 20 schemas (gpu_workers/tools/eval/structured.py: "
+        "nested objects, arrays of objects, enums, patterns, numeric ranges) with response_format json_schema "
+        "(strict) through the OpenAI SDK, PER_SCHEMA prompts each, and validate every answer with jsonschema; "
+        "report the share that parses and validates with a 95%% Wilson interval and every failure.",
+    )
+    st.add_argument("--api-url", required=True, metavar="URL")
+    st.add_argument("--api-key", required=True, metavar="KEY")
+    st.add_argument("--model", required=True, metavar="ID")
+    st.add_argument(
+        "--per-schema", type=parse_positive_int, default=25, metavar="N", help="prompts per schema"
+    )
+    st.add_argument("--concurrency", type=parse_positive_int, default=16, metavar="N")
+    st.add_argument("--max-tokens", type=parse_positive_int, default=256, metavar="N")
+    st.add_argument("--temperature", type=float, default=1.0)
+    st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--json", action="store_true", help="print one JSON object with every failure")
+    st.set_defaults(func=cmd_eval_structured)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -385,6 +405,21 @@ def head_label(head: str) -> str:
     ]
     label = " ".join(keep or head.splitlines()[:1])
     return (label if len(label) <= 70 else label[:69] + "…").replace("|", "\\|")
+
+
+def cmd_eval_structured(args: argparse.Namespace) -> int:
+    from gpu_workers.tools.eval.structured import run_structured_eval
+
+    result = run_structured_eval(
+        args.api_url, args.api_key, args.model, args.per_schema, args.concurrency, args.max_tokens,
+        args.temperature, args.seed, progress=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
+    print(
+        json.dumps(result, indent=2)
+        if args.json
+        else f"{result['valid_of_finished']}/{result['answers']} valid"
+    )
+    return 0 if result["valid_of_finished"] == result["answers"] else 1
 
 
 def cmd_eval_tools(args: argparse.Namespace) -> int:
