@@ -1254,7 +1254,8 @@ def test_unreachable_redis_is_503_not_500(stack):
     with TestClient(create_app(settings)) as client:
         payload = {"model": stack.model, "messages": _msgs()}
         response = client.post("/v1/chat/completions", headers=stack.auth(), json=payload)
-        assert_openai_error(response, 503, "queue_unavailable")
+        # Admission (the tenant's in-flight lease) is the first to need Redis.
+        assert_openai_error(response, 503, "quota_unavailable")
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["checks"]["redis"] == "error"
 

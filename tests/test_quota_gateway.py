@@ -23,6 +23,7 @@ import uvicorn
 from api_processes import api_processes, free_port
 from fastapi.testclient import TestClient
 from tessera import db, quota_config, quotas, tenancy
+from tessera.api.inference import in_flight_scope
 from tessera.app import create_app
 from tessera.quotas import Limits, Quotas, Scope
 from tessera.settings import Settings
@@ -204,21 +205,56 @@ def test_an_exhausted_daily_budget_is_429_quota_exceeded(gw):
     assert "daily budget of 30 tokens" in response.json()["error"]["message"]
 
 
-def test_rejected_requests_consume_no_requests_of_the_rpm_limit(gw):
+def test_every_attempt_counts_against_rpm_but_an_rpm_refusal_does_not(gw):
     _, tenant_id, raw = gw.tenant(rpm=5, tpm=100)
-    # Too many tokens for tpm: rejected by tpm, so each must leave the rpm window untouched.
+    # Too many tokens for tpm: refused by tpm after the attempt was counted, so each takes an rpm slot.
     rejected = asyncio.run(
-        _post_many(gw.base, raw, [gw.body(max_tokens=32) | {"prompt": list(range(1, 80))}] * 10)
+        _post_many(gw.base, raw, [gw.body(max_tokens=32) | {"prompt": list(range(1, 80))}] * 3)
     )
-    assert [r.status_code for r in rejected] == [429] * 10
+    assert [r.status_code for r in rejected] == [429] * 3
     assert {r.json()["error"]["code"] for r in rejected} == {"rate_limit_exceeded"}
-    # Rejected by rpm itself: the window holds exactly the admitted ones.
-    admitted = asyncio.run(_post_many(gw.base, raw, [gw.body()] * 5))
-    assert [r.status_code for r in admitted] == [200] * 5
+    assert all("tokens per minute" in r.json()["error"]["message"] for r in rejected)
+    admitted = asyncio.run(_post_many(gw.base, raw, [gw.body()] * 2))
+    assert [r.status_code for r in admitted] == [200] * 2
+    # Refused by rpm itself: the window holds exactly the 5 attempts it let through.
     over = asyncio.run(_post_many(gw.base, raw, [gw.body()] * 10))
     assert [r.status_code for r in over] == [429] * 10
+    assert all("requests per minute" in r.json()["error"]["message"] for r in over)
     rpm_log = Scope(quota_config.tenant_scope(tenant_id), Limits()).key("rpm")
     assert gw.pools.redis.zcard(rpm_log) == 5
+
+
+def test_a_prompt_far_over_the_context_is_refused_untokenised_and_counts_against_rpm(gw, monkeypatch):
+    from gpu_workers.tokenizer import Tokenizer
+
+    tokenised = []
+    for name in ("encode", "encode_chat"):
+        original = getattr(Tokenizer, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            tokenised.append(args)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Tokenizer, name, spy)
+    _, _, raw = gw.tenant(rpm=3)
+    huge = "word " * 20_000  # 100 kB: far over a context of 128 tokens whatever the tokenizer makes of it
+    answers = [
+        httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body() | {"prompt": huge}),
+        httpx.post(
+            f"{gw.base}/v1/chat/completions",
+            headers=auth(raw),
+            json={"model": gw.model, "messages": [{"role": "user", "content": huge}]},
+        ),
+    ]
+    for response in answers:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "100000 bytes" in error["message"]
+    assert tokenised == []
+    assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
+    # The two refusals took their places in the window: the fourth request is over rpm.
+    over = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body())
+    assert over.status_code == 429 and "3 requests per minute" in over.json()["error"]["message"]
 
 
 def test_a_key_override_limits_that_key_alone(gw):
@@ -256,6 +292,41 @@ def test_concurrency_4_never_has_5_in_flight_on_the_workers(gw):
     assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} <= {"rate_limit_exceeded"}
     assert 1 <= running["max"] <= 4
     assert wait_for(lambda: gw.in_flight(tenant_id) == 0)
+
+
+def test_a_tenant_beyond_its_in_flight_bound_is_refused_at_once_with_retry_after(gw, monkeypatch):
+    # The bound is tenant_in_flight_batches engine batches: 2 requests of the deployment's max_num_seqs (64).
+    monkeypatch.setattr(gw.settings, "tenant_in_flight_batches", 2 / 64)
+    monkeypatch.setattr(gw.settings, "request_timeout_s", 20.0)
+    gw.pools.script = silent  # admitted requests stay in flight (queued, as far as the gateway can tell)
+    _, tenant_id, raw = gw.tenant()
+    _, _, other = gw.tenant()
+    with contextlib.ExitStack() as held, gw.heartbeating():
+        for _ in range(2):
+            response = held.enter_context(
+                httpx.stream(
+                    "POST", f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body(stream=True)
+                )
+            )
+            assert response.status_code == 200
+        started = time.monotonic()
+        refused = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body())
+        assert time.monotonic() - started < 2.0  # at once, not after waiting for a slot
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "out_of_capacity"
+        assert "2 requests in flight" in refused.json()["error"]["message"]
+        assert refused.headers["retry-after"] == "1"
+        # Another tenant's requests are not held back by this one's.
+        response = held.enter_context(
+            httpx.stream("POST", f"{gw.base}/v1/completions", headers=auth(other), json=gw.body(stream=True))
+        )
+        assert response.status_code == 200
+    # The streams ended: their slots are free again.
+    leases = Scope(in_flight_scope(gw.model, tenant_id), Limits()).key("leases")
+    assert wait_for(lambda: gw.pools.redis.zcard(leases) == 0)
+    gw.pools.script = reply()
+    with gw.heartbeating():
+        assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
 
 
 # -- every ending gives the slot back ----------------------------------------------------------------------------
@@ -365,9 +436,11 @@ def replicas(stack):
 
 @pytest.fixture(scope="module")
 def impatient_replicas(stack, tmp_path_factory):
-    """Two more `tessera api` processes whose requests time out after a second."""
+    """Two more `tessera api` processes whose requests time out after a second (and whose tenants may have
+    hundreds in flight: their test is the leases every ending gives back, not load shedding)."""
     logs = tmp_path_factory.mktemp("impatient-replicas")
-    with api_processes(_replica_env(stack, request_timeout_s="1"), logs) as started:
+    env = _replica_env(stack, request_timeout_s="1", tenant_in_flight_batches="100")
+    with api_processes(env, logs) as started:
         yield started.urls
 
 

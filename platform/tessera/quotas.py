@@ -13,8 +13,10 @@ Limits, each optional (None = unlimited):
   settles it to the request's priced cost (cached tokens at the cached price), or to nothing when it failed
   before producing a token. A counter Redis lost restarts from the month's spend in the ledger.
 
-A request rejected by one limit consumes none of the others. Time comes from Redis (``TIME``), so every
-replica agrees on the window. Redis unreachable raises ``QuotaUnavailable``: the gateway fails closed.
+A request rejected by one limit consumes none of the others, with one exception: the gateway counts an
+attempt against ``rpm`` (``Quotas.attempt``) before it reads and tokenises the body, and a request refused after
+that (a prompt over the context, a tpm limit) keeps its place in the rpm window, so refused requests cannot
+make the gateway work without bound. Time comes from Redis (``TIME``), so every replica agrees on the window. Redis unreachable raises ``QuotaUnavailable``: the gateway fails closed.
 """
 
 from __future__ import annotations
@@ -176,8 +178,9 @@ def duration(ms: int) -> str:
 
 
 # KEYS per scope (7 each): rpm log, tpm log, tpm amounts, leases, day counter, month counter, month spend.
-# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, cost (micro-USD), then per scope
-# its 6 limits and the spend its month already has in the ledger (the counter's starting point if missing).
+# ARGV: request id, tokens, window ms, lease ttl ms, day ttl s, month ttl s, cost (micro-USD), count rpm (1/0:
+# 0 when ``attempt`` counted the request already), then per scope its 6 limits and the spend its month already
+# has in the ledger (the counter's starting point if missing).
 # Returns {admitted, failing scope index (1-based, 0 = none), failing limit index, retry ms,
 #          per scope: rpm used, rpm reset ms, tpm used, tpm reset ms}.
 _ADMIT = """
@@ -187,6 +190,7 @@ local rid, tokens = ARGV[1], tonumber(ARGV[2])
 local window, lease_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local day_ttl, month_ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
 local cost = tonumber(ARGV[7])
+local count_rpm = ARGV[8] == '1'
 local nscopes = #KEYS / 7
 
 local function expire_tokens(log, amounts)
@@ -211,7 +215,7 @@ for s = 1, nscopes do
   local k = (s - 1) * 7
   local rpm_log, tpm_log, amounts, leases = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
   local day, month, spend = KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]
-  local a = 7 + (s - 1) * 7
+  local a = 8 + (s - 1) * 7
   local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local daily, monthly, spend_cap = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
   if spend_cap >= 0 then
@@ -224,7 +228,7 @@ for s = 1, nscopes do
   local tpm_used = tonumber(redis.call('HGET', amounts, '__total') or '0')
   state[s] = {rpm_used, reset_ms(rpm_log), tpm_used, reset_ms(tpm_log)}
   if fail_scope == 0 then
-    if rpm >= 0 and rpm_used + 1 > rpm then
+    if count_rpm and rpm >= 0 and rpm_used + 1 > rpm then
       fail_scope, fail_limit, retry = s, 1, math.max(state[s][2], 1)
     elseif tpm >= 0 and tpm_used + tokens > tpm then
       fail_scope, fail_limit = s, 2
@@ -246,8 +250,12 @@ local out = {fail_scope == 0 and 1 or 0, fail_scope, fail_limit, retry}
 for s = 1, nscopes do
   local k = (s - 1) * 7
   if fail_scope == 0 then
-    redis.call('ZADD', KEYS[k + 1], now, rid)
-    redis.call('PEXPIRE', KEYS[k + 1], window)
+    if count_rpm then
+      redis.call('ZADD', KEYS[k + 1], now, rid)
+      redis.call('PEXPIRE', KEYS[k + 1], window)
+      state[s][1] = state[s][1] + 1
+      if state[s][2] == 0 then state[s][2] = window end
+    end
     redis.call('ZADD', KEYS[k + 2], now, rid)
     redis.call('HSET', KEYS[k + 3], rid, tokens)
     redis.call('HINCRBY', KEYS[k + 3], '__total', tokens)
@@ -261,12 +269,40 @@ for s = 1, nscopes do
     redis.call('EXPIRE', KEYS[k + 6], month_ttl + 3600)
     redis.call('INCRBY', KEYS[k + 7], cost)
     redis.call('EXPIRE', KEYS[k + 7], month_ttl + 3600)
-    state[s][1] = state[s][1] + 1
     state[s][3] = state[s][3] + tokens
-    if state[s][2] == 0 then state[s][2] = window end
     if state[s][4] == 0 then state[s][4] = window end
   end
   for _, v in ipairs(state[s]) do table.insert(out, v) end
+end
+return out
+"""
+
+# KEYS: the rpm log of each scope. ARGV: request id, window ms, then each scope's rpm limit.
+# Returns {admitted, failing scope index (0 = none), retry ms, per scope: rpm used, rpm reset ms}.
+_ATTEMPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rid, window = ARGV[1], tonumber(ARGV[2])
+local state, fail, retry = {}, 0, 0
+for s, log in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', log, '-inf', now - window)
+  local used, reset = redis.call('ZCARD', log), 0
+  local first = redis.call('ZRANGE', log, 0, 0, 'WITHSCORES')
+  if #first > 0 then reset = math.max(tonumber(first[2]) + window - now, 0) end
+  state[s] = {used, reset}
+  local limit = tonumber(ARGV[2 + s])
+  if fail == 0 and limit >= 0 and used + 1 > limit then fail, retry = s, math.max(reset, 1) end
+end
+local out = {fail == 0 and 1 or 0, fail, retry}
+for s, log in ipairs(KEYS) do
+  if fail == 0 then
+    redis.call('ZADD', log, now, rid)
+    redis.call('PEXPIRE', log, window)
+    state[s][1] = state[s][1] + 1
+    if state[s][2] == 0 then state[s][2] = window end
+  end
+  table.insert(out, state[s][1])
+  table.insert(out, state[s][2])
 end
 return out
 """
@@ -356,14 +392,41 @@ class Quotas:
         self.lease_ttl_ms = lease_ttl_ms
         self.window_ms = window_ms
         self._admit = redis.register_script(_ADMIT)
+        self._attempt = redis.register_script(_ATTEMPT)
         self._settle = redis.register_script(_SETTLE)
         self._renew = redis.register_script(_RENEW)
 
+    async def attempt(self, request_id: str, scopes: list[Scope]) -> Decision:
+        """Count a request against the ``rpm`` of every scope that sets one, before anything costly is done for
+        it; refused (nothing counted) if any scope's window is full. Whatever happens to the request after an
+        admitted attempt, it keeps its place in the window; ``admit(..., rpm_counted=True)`` then checks the
+        other limits only."""
+        scopes = [s for s in scopes if s.limits.rpm is not None]
+        if not scopes:
+            return Decision(admitted=True)
+        args: list[int | str] = [request_id, self.window_ms, *(s.limits.rpm for s in scopes)]
+        try:
+            out = [int(x) for x in await self._attempt(keys=[s.key("rpm") for s in scopes], args=args)]
+        except RedisError as exc:
+            raise QuotaUnavailable(f"quota store unreachable: {exc}") from exc
+        admitted, fail, retry_ms = out[:3]
+        state = [v for pair in zip(out[3::2], out[4::2], strict=True) for v in (*pair, 0, 0)]
+        return Decision(
+            admitted=bool(admitted),
+            limit=None if admitted else "rpm",
+            scope=scopes[fail - 1].name if fail else None,
+            retry_after_ms=retry_ms,
+            requests=_tightest(scopes, state, "rpm", 0),
+            limit_value=scopes[fail - 1].limits.rpm if fail else None,
+        )
+
     async def admit(
-        self, request_id: str, scopes: list[Scope], tokens: int, cost: int = 0
+        self, request_id: str, scopes: list[Scope], tokens: int, cost: int = 0, rpm_counted: bool = False
     ) -> tuple[Decision, Reservation | None]:
         """Check every limit of every scope, and take from all of them only if all allow the request.
-        ``tokens`` (prompt + max_tokens) and ``cost`` (its most expensive outcome, micro-USD) are reserved."""
+        ``tokens`` (prompt + max_tokens) and ``cost`` (its most expensive outcome, micro-USD) are reserved.
+        ``rpm_counted``: ``attempt`` counted the request against rpm already, so rpm is neither checked nor
+        taken again."""
         scopes = [s for s in scopes if not s.limits.unlimited]
         now = datetime.now(timezone.utc)
         if not scopes:
@@ -378,6 +441,7 @@ class Quotas:
             day_ttl,
             month_ttl,
             cost,
+            0 if rpm_counted else 1,
         ]
         for scope in scopes:
             day, month, spend = _period_keys(scope, now)

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     # Workers-AI async batches (tessera.batch): the largest batch body; the waiting interactive tasks at
     # which a deployment takes no more batch items; batch items in flight per API process; attempts of an
     # item whose worker died; how long an API process may stop heartbeating before others resume its items.
+    # Load shedding: the generation requests one tenant may have in flight on one deployment (queued in Redis,
+    # waiting inside an engine, or running), in engine batches (the deployment's max_num_seqs). At one batch,
+    # what a tenant admits can all run at once on one worker; beyond it a request would only wait behind the
+    # tenant's own, its time to first token growing with the queue, so it is refused at once (429, Retry-After).
+    tenant_in_flight_batches: float = Field(1.0, gt=0)
     batch_max_body_bytes: int = Field(10_000_000, ge=1)
     batch_max_queue_depth: int = Field(1, ge=1)
     batch_concurrency: int = Field(4, ge=1)

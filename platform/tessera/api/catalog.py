@@ -40,6 +40,9 @@ class Model:
     tokenizer: Tokenizer | None
     created: int  # unix time, for /v1/models
     embedding: Encoder | None = None  # set for an embedding model (which serves /v1/embeddings only)
+    # The most bytes of prompt text one token can stand for (None: no sound bound, see ``bytes_per_token``):
+    # a prompt of more than ``context * bytes_per_token`` bytes cannot fit, and is refused untokenised.
+    bytes_per_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Catalog:
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,
             created=int(row.created_at.timestamp()),
+            bytes_per_token=bytes_per_token(tokenizer) if tokenizer is not None else None,
         )
 
     def _embedding_model(self, row: Deployment, spec: DeploymentSpec) -> Model:
@@ -174,6 +178,22 @@ class Catalog:
             with self._lock:
                 cache[key] = loaded
         return loaded
+
+
+def bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most bytes of input text one token of ``tokenizer`` can cover: its longest vocabulary entry, in
+    bytes (a byte-level token's bytes, a piece's UTF-8 text, a control token's text, whichever is longest).
+    Every token the tokenizer emits covers a piece of the text no longer than that, so text of ``n`` bytes is
+    at least ``n / bytes_per_token`` tokens. None when the tokenizer normalises its input first: a normaliser
+    may shrink text without bound (stripping accents deletes every combining mark), so no byte count bounds
+    its tokens."""
+    backend = tokenizer.backend
+    if backend.normalizer is not None:
+        return None
+    longest = 0
+    for piece, token_id in backend.get_vocab(with_added_tokens=True).items():
+        longest = max(longest, len(piece.encode("utf-8")), len(tokenizer.token_bytes(token_id)))
+    return max(longest, 1)
 
 
 def _not_found(name: str) -> APIError:

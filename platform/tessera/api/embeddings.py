@@ -29,7 +29,14 @@ from tessera import records, routing, streaming
 from tessera.api.catalog import Model
 from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import request_id
-from tessera.api.inference import AFFINITY_HEADER, DEADLINE_GRACE_S, REJECT_IF_BUSY_HEADER, Gateway, gateway
+from tessera.api.inference import (
+    AFFINITY_HEADER,
+    DEADLINE_GRACE_S,
+    REJECT_IF_BUSY_HEADER,
+    Gateway,
+    gateway,
+    rpm_counted,
+)
 from tessera.api.schemas import Text, _Strict
 from tessera.errors import APIError
 from tessera.models import utcnow
@@ -205,7 +212,9 @@ async def serve(
     spec = prepared.model.spec
     started_at = utcnow()
     prompt_tokens = prepared.prompt_tokens
-    decision, held, price = await gw.admit(caller, rid, spec.name, started_at, prompt_tokens, 0)
+    decision, held, price = await gw.admit(
+        caller, rid, spec.name, started_at, prompt_tokens, 0, rpm_counted=rpm_counted(request)
+    )
     try:
         salt = routing.affinity_salt(gw.settings.derive_key("affinity"), caller.tenant_id)
         key = routing.affinity_key(

@@ -1,7 +1,8 @@
 """What one request may hold of the API server, and how the server's shutdown ends it.
 
 ``GuardMiddleware`` wraps each HTTP request: its whole body must arrive within ``body_timeout_s`` of its
-headers (else a 408 and the connection closed); a client that leaves mid-body ends the request quietly, as
+headers (else a 408 and the connection closed); a response sent before the body was read closes the
+connection (the server does not read a body nobody will use); a client that leaves mid-body ends the request quietly, as
 the normal event it is; and once a shutdown's grace period is over (``Drain``, begun by
 ``tessera.server.DrainingServer`` on SIGTERM), a request still running is ended with an error the client
 can read: a 503 if nothing was sent yet, else, on an SSE stream, an ``error`` event and ``[DONE]``; what the
@@ -132,9 +133,17 @@ class Guarded:
                 self.started = True
                 headers = dict(message.get("headers", []))
                 self.sse = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                if not self.body_read and self._has_body() and b"connection" not in headers:
+                    # Answered before its body was read (refused by auth or rpm, say): closing the connection
+                    # spares the server reading, for nobody, a body of up to the size limit.
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 self.finished = True
             await self._send(message)
+
+    def _has_body(self) -> bool:
+        headers = dict(self.scope["headers"])
+        return headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
 
     async def answer_timeout(self) -> None:
         if self.started:

@@ -1,12 +1,15 @@
 """OpenAI-compatible inference: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
 
-Per request: auth → model → validate and tokenise → route to a live worker → queue the task on Celery →
-read its token stream → one JSON body or SSE chunks. The request's outcome goes to the records stream
+Per request, cheapest refusal first: body size (middleware) → auth → the attempt counted against rpm →
+parse and validate the body → model → a prompt too many bytes for the context refused untokenised →
+tokenise → the other quotas → route to a live worker → queue the task on Celery → read its token stream →
+one JSON body or SSE chunks. The request's outcome goes to the records stream
 (``tessera.records``), off the hot path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -25,7 +28,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from billing import metrics
-from gpu_workers.protocol import EmbedTask, GenerateTask, Grammar, Sampling, send_task
+from gpu_workers.protocol import DeploymentSpec, EmbedTask, GenerateTask, Grammar, Sampling, send_task
 from gpu_workers.tokenizer import ChatTemplateError
 from tessera import records, routing, streaming
 from tessera.api import tools
@@ -38,7 +41,7 @@ from tessera.choices import choice_events, choice_seed, collect_choices, combine
 from tessera.errors import APIError
 from tessera.models import utcnow
 from tessera.quota_config import PriceCache, PriceVersion, QuotaLookup, charge, max_cost
-from tessera.quotas import Decision, Held, Quotas, QuotaUnavailable, Scope
+from tessera.quotas import Decision, Held, Limits, Quotas, QuotaUnavailable, Scope
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,9 @@ REJECT_IF_BUSY_HEADER = "x-reject-if-busy"
 # A body this small tokenises on the event loop (~0.3 ms at most: about what a thread hop costs); larger
 # ones in a thread, so a long prompt never stalls the other requests' streams.
 INLINE_PREPARE_BYTES = 1024
+REFUSAL_PAUSE_S = 1.0  # an rpm refusal waits this long (or until the window has room) before it is sent
+# Set in a request's state once ``Gateway.attempt`` has counted it against rpm.
+RPM_COUNTED = "rpm_counted"
 DEADLINE_GRACE_S = 2.0  # the gateway outwaits the worker's own deadline, so the worker's error arrives first
 router = APIRouter()
 
@@ -92,6 +98,7 @@ class Gateway:
                 "embedding_model",
                 param="model",
             )
+        self._check_prompt_bytes(model, body)
         tool_plan = self._tool_plan(model, body)
         prompt_ids = self._prompt_ids(model, body, tool_plan)
         if not prompt_ids:
@@ -156,7 +163,36 @@ class Gateway:
                 param="logprobs",
             )  # fmt: skip
         names = tool_plan.names if tool_plan is not None else ()
-        return Prepared(model, prompt_ids, sampling, bool(body.stream), body.include_usage, names, body.n or 1)
+        return Prepared(
+            model, prompt_ids, sampling, bool(body.stream), body.include_usage, names, body.n or 1
+        )
+
+    @staticmethod
+    def _check_prompt_bytes(model: Model, body: GenerationRequest) -> None:
+        """Refuse, before it is tokenised, a text prompt too long for the context whatever its tokens: one token
+        covers at most ``bytes_per_token`` bytes, so text of more than ``(context - 1) * bytes_per_token``
+        bytes is at least ``context`` tokens. Tokenising a 1 MiB prompt holds the GIL for ~1 s, stalling every
+        other request of the process; this check costs a UTF-8 encode. A chat prompt counts its messages'
+        text (the template's markup only adds tokens)."""
+        per_token = model.bytes_per_token
+        if per_token is None:
+            return
+        if isinstance(body, ChatCompletionRequest):
+            texts = [message.text for message in body.messages]
+        elif isinstance(body.prompt, str):
+            texts = [body.prompt]
+        else:
+            return  # token ids: counted as they are, without a tokenizer
+        size = sum(len(text.encode("utf-8")) for text in texts)  # valid Unicode: the schema checked it
+        if size > (model.context - 1) * per_token:
+            raise APIError(
+                400,
+                f"the prompt is {size} bytes: at least {-(-size // per_token)} tokens (a token of this model "
+                f"covers at most {per_token} bytes), but this model's context is {model.context} tokens, "
+                "including at least one output token; shorten the prompt",
+                "context_length_exceeded",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
 
     @staticmethod
     def _tool_plan(model: Model, body: GenerationRequest) -> tools.ToolPlan | None:
@@ -243,7 +279,14 @@ class Gateway:
         prompt_tokens = len(prepared.prompt_ids)
 
         decision, held, price = await self.admit(
-            caller, rid, spec.name, started_at, prompt_tokens, prepared.n * prepared.sampling.max_tokens
+            caller,
+            rid,
+            spec.name,
+            started_at,
+            prompt_tokens,
+            prepared.n * prepared.sampling.max_tokens,
+            rpm_counted=rpm_counted(request),
+            in_flight_limit=self.in_flight_limit(spec),
         )
         streamed = False  # a stream settles when it ends; everything else settles here
         try:
@@ -272,7 +315,9 @@ class Gateway:
                     deployment=spec.name,
                     tenant=caller.tenant_id,
                     prompt_ids=prepared.prompt_ids,
-                    sampling=dataclasses.replace(prepared.sampling, seed=choice_seed(prepared.sampling.seed, i)),
+                    sampling=dataclasses.replace(
+                        prepared.sampling, seed=choice_seed(prepared.sampling.seed, i)
+                    ),
                     deadline=deadline,
                     decode_queue=route.decode_queue,
                 )
@@ -335,7 +380,9 @@ class Gateway:
 
             if prepared.stream:
                 events = (
-                    streaming.tagged(readers[0]) if len(readers) == 1 else choice_events(readers, start_others)
+                    streaming.tagged(readers[0])
+                    if len(readers) == 1
+                    else choice_events(readers, start_others)
                 )
                 chunks = streaming.sse(
                     events, shapes, prompt_tokens, prepared.include_usage, settle, usage_of=usage_of
@@ -361,36 +408,85 @@ class Gateway:
             if not streamed:
                 await held.settle()
 
+    async def attempt(self, request: Request, caller: Caller) -> None:
+        """Count the request against its tenant's (and key's) rpm before its body is read or tokenised, so
+        every request a tenant sends, refused later or not, takes its place in the window; over the limit, a
+        429 (recorded as a rejection) that costs the gateway no parsing. ``admit`` then skips rpm."""
+        scopes = self.quota_lookup.cached(caller.tenant_id, caller.key_id)
+        if scopes is None:
+            scopes = await run_in_threadpool(self.quota_lookup.scopes, caller.tenant_id, caller.key_id)
+        try:
+            decision = await self.quotas.attempt(request_id(request), scopes)
+        except QuotaUnavailable as e:
+            raise _quota_unavailable(request_id(request), e) from None
+        if not decision.admitted:
+            # A client that retries at once, ignoring Retry-After, is answered after a pause: that bounds
+            # what one connection can make the gateway do to about one refusal a second, at the cost of a
+            # sleeping coroutine (the connection limit bounds those).
+            await asyncio.sleep(min(REFUSAL_PAUSE_S, decision.retry_after_ms / 1000))
+            metrics.RATE_LIMITED.labels(limit="rpm").inc()
+            # Refused before its body was read: the request names no model yet.
+            await self.recorder.reject(caller.tenant_id, caller.key_id, "", "rpm")
+            raise APIError(429, decision.message(), decision.code, headers=decision.headers())
+        request.scope["state"][RPM_COUNTED] = True
+
     async def admit(
-        self, caller: Caller, rid: str, model: str, at: datetime, prompt_tokens: int, max_output: int
+        self,
+        caller: Caller,
+        rid: str,
+        model: str,
+        at: datetime,
+        prompt_tokens: int,
+        max_output: int,
+        rpm_counted: bool = False,
+        in_flight_limit: int | None = None,
     ) -> tuple[Decision, Held, PriceVersion | None]:
         """Admit a request of ``prompt_tokens`` and at most ``max_output`` output tokens against its tenant's
         (and key's) quotas: the decision (its rate-limit headers), the held reservation and the price version
-        it is billed at. Raises APIError: 429 over a limit (recorded as a rejection), 503 when the quota store
-        cannot be read (fail closed)."""
+        it is billed at; ``rpm_counted``: ``attempt`` counted it against rpm already; ``in_flight_limit``: the
+        requests the tenant may have in flight on ``model`` (a lease held until the request ends, checked in
+        the same script as the quotas). Raises APIError: 429 over a limit (recorded as a rejection), 503 when
+        the quota store cannot be read (fail closed)."""
         # The caller's quota scopes and the price version billing prices the request with, both cached: most
         # requests read no database and stay on the event loop; a miss reads it in a thread.
         looked_up = self._cached_lookup(caller, model, at)
         if looked_up is None:
             looked_up = await run_in_threadpool(self._lookup, caller, model, at)
         scopes, price = looked_up
+        if in_flight_limit is not None:
+            scopes = [
+                *scopes,
+                Scope(in_flight_scope(model, caller.tenant_id), Limits(concurrency=in_flight_limit)),
+            ]
         try:
             decision, reservation = await self.quotas.admit(
-                rid, scopes, prompt_tokens + max_output, max_cost(price, prompt_tokens, max_output)
+                rid,
+                scopes,
+                prompt_tokens + max_output,
+                max_cost(price, prompt_tokens, max_output),
+                rpm_counted=rpm_counted,
             )
-        except QuotaUnavailable as e:  # fail closed: never admit a request whose quota cannot be checked
-            log.error("could not check the quotas of request %s: %s", rid, e)
+        except QuotaUnavailable as e:
+            raise _quota_unavailable(rid, e) from None
+        if reservation is None and decision.scope is not None and decision.scope.startswith(IN_FLIGHT):
+            metrics.RATE_LIMITED.labels(limit="capacity").inc()
+            await self.recorder.reject(caller.tenant_id, caller.key_id, model, "capacity")
             raise APIError(
-                503,
-                "the quota store (Redis) is unreachable, so no request can be admitted; retry shortly",
-                "quota_unavailable",
-                headers={"Retry-After": "5"},
-            ) from None
+                429,
+                f"this tenant already has {in_flight_limit} requests in flight on the model '{model}' (queued or "
+                "running), its bound; retry when one has ended",
+                "out_of_capacity",
+                headers={"Retry-After": str(max(1, -(-decision.retry_after_ms // 1000)))},
+            )
         if reservation is None:
             metrics.RATE_LIMITED.labels(limit=decision.limit or "unknown").inc()
             await self.recorder.reject(caller.tenant_id, caller.key_id, model, decision.limit or "unknown")
             raise APIError(429, decision.message(), decision.code, headers=decision.headers())
         return decision, Held(self.quotas, reservation), price
+
+    def in_flight_limit(self, spec: DeploymentSpec) -> int:
+        """Requests one tenant may have in flight on ``spec``: ``tenant_in_flight_batches`` engine batches."""
+        return max(1, int(spec.max_num_seqs * self.settings.tenant_in_flight_batches))
 
     async def check_capacity(
         self, route: routing.Route, reject_if_busy: bool, caller: Caller, model: str
@@ -448,12 +544,37 @@ class Gateway:
             raise APIError(503, "the task queue is unreachable; retry shortly", "queue_unavailable") from None
 
 
+IN_FLIGHT = "in-flight:"
+
+
+def in_flight_scope(model: str, tenant_id: str) -> str:
+    """The quota scope whose concurrency leases count a tenant's requests in flight on ``model``."""
+    return f"{IN_FLIGHT}{model}:{tenant_id}"
+
+
+def rpm_counted(request: Request) -> bool:
+    """Whether ``Gateway.attempt`` counted this request against rpm already."""
+    return bool(request.scope.get("state", {}).get(RPM_COUNTED))
+
+
+def _quota_unavailable(rid: str, error: QuotaUnavailable) -> APIError:
+    # Fail closed: never admit a request whose quota cannot be checked.
+    log.error("could not check the quotas of request %s: %s", rid, error)
+    return APIError(
+        503,
+        "the quota store (Redis) is unreachable, so no request can be admitted; retry shortly",
+        "quota_unavailable",
+        headers={"Retry-After": "5"},
+    )
+
+
 def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, caller: CurrentCaller) -> Response:
+    await gateway(request).attempt(request, caller)
     body = await parse_body(request, ChatCompletionRequest)
     prepared = await gateway(request).prepare_for(request, body)
     return await gateway(request).serve(request, caller, prepared, "chat")
@@ -461,6 +582,7 @@ async def chat_completions(request: Request, caller: CurrentCaller) -> Response:
 
 @router.post("/v1/completions")
 async def completions(request: Request, caller: CurrentCaller) -> Response:
+    await gateway(request).attempt(request, caller)
     body = await parse_body(request, CompletionRequest)
     prepared = await gateway(request).prepare_for(request, body)
     return await gateway(request).serve(request, caller, prepared, "text")

@@ -69,8 +69,9 @@ def _untagged(errors: Any) -> list[dict[str, Any]]:
 
 
 class EnvelopeRoute(APIRoute):
-    """Answers this router's errors (from auth, body validation or the gateway) in Workers AI's envelope, and
-    refuses a batch over the batch size limit before its body is read."""
+    """Answers this router's errors (from auth, body validation or the gateway) in Workers AI's envelope;
+    refuses a batch over the batch size limit, and checks auth and counts the request against rpm
+    (``Gateway.attempt``: every POST, runs, batches and polls alike), before the body is read."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
@@ -78,6 +79,11 @@ class EnvelopeRoute(APIRoute):
         async def run(request: Request) -> Response:
             try:
                 _check_batch_size(request)
+                if request.method == "POST":
+                    # Auth and the attempt against rpm before the body (up to 10 MB for a batch) is read and
+                    # parsed; the handler's own auth is then a cache hit.
+                    caller = await account_caller(request, request.path_params["account_id"])
+                    await gateway(request).attempt(request, caller)
                 return await handler(await _as_json(request))
             except APIError as e:
                 return error_response(e)
