@@ -20,7 +20,18 @@ from billing import BillingConsumer
 from billing import metrics as billing_metrics
 from gpu_workers.protocol import connect_redis, make_celery
 from tessera import batch, db
-from tessera.api import admin, embeddings, errors, health, inference, invoices, usage, web, workers_ai
+from tessera.api import (
+    admin,
+    embeddings,
+    errors,
+    health,
+    inference,
+    invoices,
+    openapi,
+    usage,
+    web,
+    workers_ai,
+)
 from tessera.api.catalog import Catalog
 from tessera.api.deps import AdminCaller
 from tessera.api.guard import Drain, GuardMiddleware
@@ -121,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(invoices.router)
     app.include_router(invoices.admin_router)
     web.install(app, sync_redis)  # the dashboard and admin console: pages, /static, web sessions
+    openapi.install(app)
 
     # --- Prometheus (budgets-metrics) ---
     @app.get("/metrics", response_class=PlainTextResponse, tags=["metrics"])

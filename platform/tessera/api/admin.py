@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, Query, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import Convertor, register_url_convertor
 
 from gpu_workers.protocol import POOLS, WorkerInfo, pool_queue
 from tessera import quota_config, routing, tenancy
@@ -57,6 +58,23 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     )
 }
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)], responses=_ERRORS)
+
+
+class DeploymentName(Convertor[str]):
+    """A deployment name in a path: slashes allowed (``@hf/smollm2``), but never ending in ``/audit``, so that
+    ``/deployments/{name}/audit`` answers a method it lacks with 405 rather than being read as a deployment
+    named ``.../audit``."""
+
+    regex = r".+(?<!/audit)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("deployment", DeploymentName())
 
 Cursor = Annotated[str | None, Query(description="next_cursor of the previous page; omit for the first")]
 Limit = Annotated[int, Query(ge=1, le=tenancy.MAX_PAGE, description="items per page")]
@@ -290,13 +308,13 @@ def deployment_audit(
         return ListResponse(data=[AuditEntry.of(e) for e in page.items], next_cursor=page.next_cursor)
 
 
-@router.get("/deployments/{name:path}", response_model=DeploymentOut)
+@router.get("/deployments/{name:deployment}", response_model=DeploymentOut)
 def get_deployment(request: Request, name: str) -> DeploymentOut:
     with _session(request) as session:
         return DeploymentOut.of(tenancy.get_deployment(session, name))
 
 
-@router.patch("/deployments/{name:path}", response_model=DeploymentOut)
+@router.patch("/deployments/{name:deployment}", response_model=DeploymentOut)
 def update_deployment(
     request: Request,
     name: str,

@@ -125,7 +125,15 @@ def _cookie_key(request: Request) -> ApiKey:
 def _csrf_ok(request: Request, web: WebSession) -> bool:
     header = request.headers.get(CSRF_HEADER, "")
     cookie = request.cookies.get(CSRF_COOKIE, "")
-    return bool(header) and hmac.compare_digest(header, cookie) and hmac.compare_digest(header, web.csrf)
+    return bool(header) and same_token(header, cookie) and same_token(header, web.csrf)
+
+
+def same_token(given: str, expected: str) -> bool:
+    """A constant-time comparison of a token the client sent (any text: compare_digest refuses non-ASCII
+    strings, so both are compared as UTF-8 bytes)."""
+    return hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    )
 
 
 def session_key(request: Request, session: Session) -> tuple[WebSession, ApiKey] | None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tessera.errors import APIError, error_body
@@ -27,6 +28,7 @@ from tessera.streaming import workers_ai_error
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member loc entries
 
@@ -208,7 +210,9 @@ class BodyLimitMiddleware:
             status = 413 if length.isdigit() else 400
             code = "request_too_large" if status == 413 else "invalid_request"
             message = detail if status == 413 else "the Content-Length header is not a number"
-            await shaped_response(APIError(status, message, code), workers_ai)(scope, receive, send)
+            # Closed after the answer: the body it refuses is not read.
+            refusal = APIError(status, message, code, headers={"Connection": "close"})
+            await shaped_response(refusal, workers_ai)(scope, receive, send)
             return
         received = 0
 
@@ -239,7 +243,22 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = str(exc.detail)
     code = _CODES.get(status, "invalid_request" if status < 500 else "internal_error")
-    return JSONResponse(error_body(status, message, code), status_code=status, headers=exc.headers)
+    headers = exc.headers
+    if status == 405:
+        # Starlette names the methods of the first route the path matched; the path may have several.
+        headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request))}
+    return JSONResponse(error_body(status, message, code), status_code=status, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app answers on the request's path: asked of the router method by
+    method, as FastAPI's included routers match (they do not list their methods)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in HTTP_METHODS
+        if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)
+    ]
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -9,7 +9,6 @@ SameSite=Strict cookie naming it, so the key never reaches page script or storag
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import re
 import secrets
@@ -31,7 +30,7 @@ from sqlalchemy.orm import Session
 import billing
 from tessera import PACKAGE_DATA, tenancy
 from tessera.api.admin_schemas import Quotas
-from tessera.api.deps import CSRF_COOKIE, SESSION_COOKIE, WebSession, session_key
+from tessera.api.deps import CSRF_COOKIE, SESSION_COOKIE, WebSession, same_token, session_key
 from tessera.auth import verify_key
 from tessera.errors import APIError
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey
@@ -211,7 +210,7 @@ def signin_page(request: Request, next: str = "") -> HTMLResponse:
 def signin(request: Request, form: Annotated[SignInForm, Form()]) -> Response:
     """Exchange an API key for a session cookie, then open the dashboard (or the admin console)."""
     cookie_token = request.cookies.get(CSRF_COOKIE, "")
-    if not (form.csrf_token and cookie_token and hmac.compare_digest(form.csrf_token, cookie_token)):
+    if not (form.csrf_token and cookie_token and same_token(form.csrf_token, cookie_token)):
         return _signin_page(request, message=EXPIRED_FORM, status=403, next_page=form.next)
     raw = form.api_key.strip()
     if not raw:
@@ -243,7 +242,7 @@ def signout(request: Request, form: Annotated[SignOutForm, Form()]) -> Response:
     sessions: WebSessions = request.app.state.web_sessions
     web = sessions.load(cookie) if cookie else None
     if web is not None:
-        if not (form.csrf_token and hmac.compare_digest(form.csrf_token, web.csrf)):
+        if not (form.csrf_token and same_token(form.csrf_token, web.csrf)):
             return _page(
                 request,
                 "message.html",
