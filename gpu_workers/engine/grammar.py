@@ -12,6 +12,7 @@ with numpy's bit unpacking (~0.2 ms a row), not llguidance's torch.compile'd hel
 
 from __future__ import annotations
 
+import os
 import threading
 from functools import cached_property
 
@@ -34,6 +35,12 @@ class Grammars:
         self._vocab_size = vocab_size
         self._compiled: LRUCache[tuple[str, str], str] = LRUCache(cache_size)
         self._lock = threading.Lock()
+
+    @cached_property
+    def _executor(self):
+        import llguidance
+
+        return llguidance.LLExecutor(num_threads=max(1, min(4, os.cpu_count() or 1)))
 
     @cached_property
     def _lltokenizer(self):
@@ -77,8 +84,11 @@ class Grammars:
             return logits
         words = (self._vocab_size + 31) // 32
         bitmask = np.empty((len(rows), words), dtype=np.int32)
-        for j, i in enumerate(rows):
-            matchers[i].unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+        if len(rows) == 1:
+            matchers[rows[0]].unsafe_compute_mask_ptr(bitmask.ctypes.data, words * 4)
+        else:  # the rows' masks on llguidance's threads, in one call
+            pairs = [(matchers[i], j) for j, i in enumerate(rows)]
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, words * 4, len(rows))
         # Bit t of word w allows token 32 * w + t (little-endian bit order, as llguidance writes them).
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
         index = torch.tensor(rows)
