@@ -238,11 +238,16 @@ def test_a_named_tool_choice_calls_that_tool(client):
 @pytest.mark.slow
 def test_auto_answers_text_or_a_valid_call(client):
     seen = set()
-    for seed in range(8):
-        answer = client.chat.completions.create(
+
+    def ask(seed: int):
+        return client.chat.completions.create(
             model=DEFAULT_MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=64, seed=seed,
             temperature=1.0,
         )  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    for answer in answers:
         choice = answer.choices[0]
         if choice.finish_reason == "tool_calls":
             assert_valid_calls(choice.message)
