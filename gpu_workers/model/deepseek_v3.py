@@ -27,7 +27,7 @@ from gpu_workers.checkpoint import ModelConfig, RopeConfig
 from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.kv import KVSpec
 from gpu_workers.model.layers import RMSNorm
-from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM
+from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM, PreNormLayer
 from gpu_workers.model.moe import feed_forward
 from gpu_workers.model.rotary import inverse_frequencies
 
@@ -180,7 +180,7 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormLayer):
     """x += mla(norm(x)); x += mlp(norm(x)), the mlp dense in the first layers and MoE after."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -189,18 +189,6 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.self_attn = MLAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer_idx)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.add_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
-        return self.mlp(x), residual
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

@@ -16,7 +16,7 @@ from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.model.deepseek_v3 import ScaledRotary
 from gpu_workers.model.layers import RMSNorm, concat_linears
-from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM
+from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM, PreNormLayer
 from gpu_workers.model.moe import feed_forward
 
 
@@ -79,7 +79,7 @@ class GlmAttention(nn.Module):
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
 
-class Glm4MoeDecoderLayer(nn.Module):
+class Glm4MoeDecoderLayer(PreNormLayer):
     """x += attn(norm(x)); x += mlp(norm(x)), the mlp dense in the first layers and MoE after."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -88,18 +88,6 @@ class Glm4MoeDecoderLayer(nn.Module):
         self.self_attn = GlmAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = feed_forward(config, layer_idx)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.add_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
-        return self.mlp(x), residual
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):

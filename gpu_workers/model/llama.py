@@ -100,16 +100,14 @@ class Attention(nn.Module):
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
 
-class DecoderLayer(nn.Module):
-    """x += attn(norm(x)); x += mlp(norm(x)), with x carried as (last sublayer's output, residual): each add
-    is done by the next norm (``RMSNorm.add_norm``), one kernel with it where Triton runs."""
+class PreNormLayer(nn.Module):
+    """The pre-norm decoder layer every family shares: x += attn(norm(x)); x += ffn(norm(x)), with x carried
+    as (last sublayer's output, residual): each add is done by the next norm (``RMSNorm.add_norm``), one
+    kernel with it where Triton runs. A family's layer builds ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm`` and its feed-forward (``mlp``, or another name with ``ffn`` overridden)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
 
     def forward(
         self,
@@ -121,7 +119,16 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.add_norm(x, residual)
         x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
-        return self.mlp(x), residual
+        return self.ffn(x), residual
+
+
+class DecoderLayer(PreNormLayer):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
 
 class DecoderStack(nn.Module):

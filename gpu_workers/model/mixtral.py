@@ -8,7 +8,7 @@ from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.model.layers import RMSNorm
-from gpu_workers.model.llama import Attention, AttentionBackend, LlamaForCausalLM
+from gpu_workers.model.llama import Attention, LlamaForCausalLM, PreNormLayer
 
 
 class Expert(nn.Module):
@@ -55,7 +55,7 @@ class SparseMoE(nn.Module):
         return out
 
 
-class MixtralDecoderLayer(nn.Module):
+class MixtralDecoderLayer(PreNormLayer):
     """x += attn(norm(x)); x += moe(norm(x))."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -65,17 +65,8 @@ class MixtralDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_sparse_moe = SparseMoE(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.add_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
-        return self.block_sparse_moe(x), residual
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
