@@ -392,7 +392,10 @@ class Gateway:
                 return EventSourceResponse(
                     body, ping=15, headers=decision.headers(), background=BackgroundTask(held.close, body)
                 )
-            results = await collect_choices(readers, start_others)
+            if len(readers) == 1:  # one choice: its reader directly, no merging task
+                results = [await streaming.collect(readers[0])]
+            else:
+                results = await collect_choices(readers, start_others)
             settle(results)
             result = combined(results, prompt_tokens)
             if result.error is not None:
