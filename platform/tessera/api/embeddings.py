@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import TASK_EMBED, Embeddings, EmbedTask
 from gpu_workers.tokenizer import UnencodableText
-from tessera import records, routing, streaming
+from tessera import records, responses, routing
 from tessera.api.catalog import Model
 from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import request_id
@@ -241,7 +241,7 @@ async def serve(
             client_gone=request.is_disconnected,
             started_at=started_at,
         )
-        result, vectors = streaming.Result(), None
+        result, vectors = responses.Result(), None
         async with aclosing(reader.events()) as events:
             async for event in events:
                 result.add(event)
@@ -260,7 +260,7 @@ async def serve(
             )
         )
         if result.error is not None:
-            raise streaming.event_error(result.error)
+            raise responses.event_error(result.error)
         if vectors is None:
             raise APIError(499, "the request was cancelled before it was embedded", "cancelled")
         usage = result.usage_or_count(prompt_tokens)

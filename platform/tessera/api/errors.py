@@ -23,7 +23,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tessera.errors import APIError, error_body
-from tessera.streaming import workers_ai_error
+from tessera.responses import workers_ai_error
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tessera.api.errors import WORKERS_AI_RUN, shaped_response
 from tessera.errors import APIError
-from tessera.streaming import workers_ai_error
+from tessera.responses import workers_ai_error
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 from billing import metrics
 from gpu_workers.protocol import DeploymentSpec, EmbedTask, GenerateTask, Grammar, Sampling, send_task
 from gpu_workers.tokenizer import ChatTemplateError
-from tessera import records, routing, streaming
+from tessera import records, responses, routing, streaming
 from tessera.api import tools
 from tessera.api.catalog import Catalog, Model
 from tessera.api.deps import Caller, CurrentCaller
@@ -263,7 +263,7 @@ class Gateway:
         caller: Caller,
         prepared: Prepared,
         kind: str,
-        shape: streaming.Shape | None = None,
+        shape: responses.Shape | None = None,
         reject_if_busy: bool = False,
     ) -> Response:
         """Admit the request against its tenant's (and key's) quotas, route and queue it, then answer with its
@@ -343,7 +343,7 @@ class Gateway:
                     await self.enqueue(route, task)
 
             if shape is None:
-                shape = streaming.OpenAIShape(
+                shape = responses.OpenAIShape(
                     kind,
                     ("chatcmpl-" if kind == "chat" else "cmpl-") + rid,
                     spec.name,
@@ -359,10 +359,10 @@ class Gateway:
                 for _ in tasks
             ]
 
-            def usage_of(results: list[streaming.Result]) -> dict[str, int]:
+            def usage_of(results: list[responses.Result]) -> dict[str, int]:
                 return combined(results, prompt_tokens).usage_or_count(prompt_tokens)
 
-            def settle(results: list[streaming.Result]) -> None:
+            def settle(results: list[responses.Result]) -> None:
                 result = combined(results, prompt_tokens)
                 if result.usage is not None or result.token_ids:  # else it failed before producing tokens
                     usage = result.usage_or_count(prompt_tokens)
@@ -384,7 +384,7 @@ class Gateway:
                     if len(readers) == 1
                     else choice_events(readers, start_others)
                 )
-                chunks = streaming.sse(
+                chunks = responses.sse(
                     events, shapes, prompt_tokens, prepared.include_usage, settle, usage_of=usage_of
                 )
                 body = held.guard(chunks)
@@ -399,7 +399,7 @@ class Gateway:
             settle(results)
             result = combined(results, prompt_tokens)
             if result.error is not None:
-                raise streaming.event_error(result.error)
+                raise responses.event_error(result.error)
             answer = shapes[0].response(result, prompt_tokens)
             if len(results) > 1:
                 answer["choices"] = [

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import pool_queue
-from tessera import batch, routing, streaming, tenancy
+from tessera import batch, routing, tenancy
 from tessera.api.deps import Caller, current_caller
 from tessera.api.embeddings import TextEmbeddingRequest, TextEmbeddingResult, run_text_embedding
 from tessera.api.errors import validation_error
@@ -42,6 +42,13 @@ from tessera.api.schemas import (
     Text,
 )
 from tessera.errors import APIError
+from tessera.responses import (
+    WorkersAIShape,
+    usage_body,
+    workers_ai_code,
+    workers_ai_envelope,
+    workers_ai_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +61,7 @@ BODY_TAGS = (
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(streaming.workers_ai_error(error), status_code=error.status, headers=error.headers)
+    return JSONResponse(workers_ai_error(error), status_code=error.status, headers=error.headers)
 
 
 def _untagged(errors: Any) -> list[dict[str, Any]]:
@@ -416,15 +423,13 @@ async def run_model(
         )
     if isinstance(body, TextEmbeddingRequest):
         result = await run_text_embedding(request, caller, model, body, reject_if_busy=False)
-        return JSONResponse(streaming.workers_ai_envelope(result))
+        return JSONResponse(workers_ai_envelope(result))
     gw = gateway(request)
     openai_body = _openai_request(model, body)
     prepared = await gw.prepare_for(request, openai_body)
     kind = "chat" if isinstance(openai_body, ChatCompletionRequest) else "text"
     reject = bool(body.options and body.options.rejectIfBusy)
-    shape = streaming.WorkersAIShape(
-        json_mode=body.response_format is not None, tool_names=prepared.tool_names
-    )
+    shape = WorkersAIShape(json_mode=body.response_format is not None, tool_names=prepared.tool_names)
     return await gw.serve(request, caller, prepared, kind, shape, reject_if_busy=reject)
 
 
@@ -462,9 +467,9 @@ async def _queue(request: Request, caller: Caller, model: str, body: BatchReques
         more = f" (and {len(problems) - 1} more invalid requests)" if len(problems) > 1 else ""
         first_index, first = problems[0]
         summary = APIError(400, f"requests[{first_index}]: {first.message}{more}", first.code)
-        envelope = streaming.workers_ai_error(summary)
+        envelope = workers_ai_error(summary)
         envelope["errors"] = [
-            {"code": streaming.workers_ai_code(error), "message": f"requests[{index}]: {error.message}"}
+            {"code": workers_ai_code(error), "message": f"requests[{index}]: {error.message}"}
             for index, error in problems
         ]
         return JSONResponse(envelope, status_code=400)
@@ -480,7 +485,7 @@ async def _queue(request: Request, caller: Caller, model: str, body: BatchReques
     if runner is not None:
         runner.wake()
     status = BatchStatus(status="queued", request_id=batch_id, model=model)
-    return JSONResponse(streaming.workers_ai_envelope(status.model_dump()))
+    return JSONResponse(workers_ai_envelope(status.model_dump()))
 
 
 async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> Response:
@@ -498,7 +503,7 @@ async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> 
         status = BatchStatus.model_validate(
             {"status": view.status, "request_id": view.batch.id, "model": view.batch.model}
         )
-        return JSONResponse(streaming.workers_ai_envelope(status.model_dump()))
+        return JSONResponse(workers_ai_envelope(status.model_dump()))
     responses, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     for item in view.items:
         errors = []
@@ -514,7 +519,7 @@ async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> 
                 stored.get("message", "the request failed"),
                 stored.get("code", "internal_error"),
             )
-            errors = [Message(code=streaming.workers_ai_code(failure), message=failure.message)]
+            errors = [Message(code=workers_ai_code(failure), message=failure.message)]
         responses.append(
             BatchResponse(
                 id=item.index,
@@ -524,9 +529,9 @@ async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> 
                 errors=errors,
             )
         )
-    results = BatchResults(responses=responses, usage=Usage.model_validate(streaming.usage_body(totals)))
+    results = BatchResults(responses=responses, usage=Usage.model_validate(usage_body(totals)))
     # Unset fields stay out: each result as its request answered it, the sum without per-request extras.
-    return JSONResponse(streaming.workers_ai_envelope(results.model_dump(exclude_unset=True)))
+    return JSONResponse(workers_ai_envelope(results.model_dump(exclude_unset=True)))
 
 
 async def _never_disconnects() -> dict[str, Any]:
@@ -579,7 +584,7 @@ class BatchDispatch:
                 "state": {"request_id": item.request_id},
             }
             response = await self.gw.serve(
-                Request(scope, _never_disconnects), caller, prepared, "workers_ai", streaming.WorkersAIShape()
+                Request(scope, _never_disconnects), caller, prepared, "workers_ai", WorkersAIShape()
             )
         except ValidationError as e:
             return batch.Failed(_error(validation_error(e.errors())))

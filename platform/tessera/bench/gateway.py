@@ -239,7 +239,7 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
         stream_key,
         worker_queue,
     )
-    from tessera import routing, streaming, tenancy
+    from tessera import responses, routing, streaming, tenancy
     from tessera.api.schemas import ChatCompletionRequest
     from tessera.app import create_app
     from tessera.auth import KeyCache, verify_key
@@ -299,8 +299,8 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
             raise BenchError(f"the quota'd tenant was refused ({decision.limit}): GENEROUS_LIMITS too low")
         await gateway.quotas.settle(reservation, quota_tokens)
 
-    result = streaming.Result(text="Hello", token_ids=[100], finish_reason="length")
-    shape = streaming.OpenAIShape("chat", "chatcmpl-bench", spec.name, int(time.time()))
+    result = responses.Result(text="Hello", token_ids=[100], finish_reason="length")
+    shape = responses.OpenAIShape("chat", "chatcmpl-bench", spec.name, int(time.time()))
 
     def record() -> None:
         with sessions() as session:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from gpu_workers.protocol import Event
-from tessera import streaming
+from tessera import responses, streaming
 from tessera.models import utcnow
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class TimedReader(streaming.StreamReader):
 
 
 def outcome_of(
-    result: streaming.Result,
+    result: responses.Result,
     reader: TimedReader,
     *,
     tenant_id: str,
