@@ -29,6 +29,7 @@ from billing.invoices import (
     reconcile,
 )
 from billing.ledger import UsageEvent, price_row, record_events
+from billing.pagination import InvalidCursor, Page
 from billing.prices import (
     DEFAULT_MODEL,
     DEFAULT_PRICES,
@@ -41,7 +42,7 @@ from billing.prices import (
     usd,
 )
 from billing.quality import Quality, flush_rejections, quality_report, rejection_field, rejections_key
-from billing.rollups import BadCursor, UsageLine, list_events, usage_report
+from billing.rollups import UsageLine, list_events, usage_report
 from billing.schema import (
     NO_KEY,
     Invoice,
@@ -64,19 +65,20 @@ __all__ = [
     "GROUP",
     "KINDS",
     "NO_KEY",
-    "BadCursor",
     "BadPeriod",
     "BillingConsumer",
     "Invoice",
     "InvoiceLine",
     "InvoiceSum",
     "InvoiceSummary",
+    "InvalidCursor",
     "InvoiceView",
     "LatencyBucket",
     "LedgerEvent",
     "Line",
     "Mismatch",
     "OutcomeCount",
+    "Page",
     "Price",
     "PriceBook",
     "PriceSpec",

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from billing.rollups import BadCursor, decode_cursor, encode_cursor
+from billing.pagination import InvalidCursor, decode_cursor, encode_cursor
 from billing.schema import Invoice, InvoiceLine, InvoiceSum, LedgerEvent, Price, Rollup, utcnow
 from billing.upserts import insert_for
 
@@ -327,11 +327,14 @@ def list_invoices(
         .limit(limit + 1)
     )
     if cursor is not None:
-        (after,) = decode_cursor(cursor, 1)
+        (after,) = decode_cursor(cursor, [str])
         try:
             parse_period(after)
         except BadPeriod:
-            raise BadCursor("invalid cursor: pass the next_cursor of the previous page unchanged") from None
+            raise InvalidCursor(
+                f"invalid cursor {cursor[:40]!r}: pass the next_cursor of the previous page unchanged, "
+                "or omit it for the first page"
+            ) from None
         query = query.where(Invoice.period < after)
     periods = list(session.scalars(query))
     more = len(periods) > limit

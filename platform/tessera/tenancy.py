@@ -9,25 +9,24 @@ admin API passes ``key:<prefix>``, and a caller that names none is the local ope
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import getpass
 import json
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from redis import Redis, RedisError
-from sqlalchemy import ColumnElement, Select, and_, func, literal, or_, select, update
+from sqlalchemy import func, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from billing.pagination import InvalidCursor, Page, keyset, offset_page
 from billing.upserts import dialect_insert
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.gguf_file import is_gguf
@@ -66,10 +65,6 @@ class Conflict(TenancyError):
 
 class InvalidConfig(TenancyError):
     pass
-
-
-class InvalidCursor(TenancyError):
-    """A pagination cursor this server did not hand out (HTTP 400)."""
 
 
 TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -148,7 +143,7 @@ def audit_events_page(
                 f"invalid target_type {target_type!r}: choose from {', '.join(AUDIT_TARGET_TYPES)}"
             )
         query = query.where(AuditEvent.target_type == target_type)
-    return _keyset(session, query, (AuditEvent.id,), cursor, limit, descending=True)
+    return keyset(session, query, (AuditEvent.id,), cursor, limit, descending=True)
 
 
 def key_state(key: ApiKey) -> dict[str, Any]:
@@ -199,7 +194,7 @@ def get_tenant(session: Session, name: str) -> Tenant:
 
 
 def list_tenants(session: Session, *, limit: int | None = None, offset: int = 0) -> list[Tenant]:
-    return _page(session, select(Tenant).order_by(Tenant.created_at, Tenant.id), limit, offset)
+    return offset_page(session, select(Tenant).order_by(Tenant.created_at, Tenant.id), limit, offset)
 
 
 def set_tenant_disabled(
@@ -288,7 +283,7 @@ def create_key(
 def list_keys(session: Session, tenant: str, *, limit: int | None = None, offset: int = 0) -> list[ApiKey]:
     owner = get_tenant(session, tenant)
     query = select(ApiKey).where(ApiKey.tenant_id == owner.id).order_by(ApiKey.created_at, ApiKey.id)
-    return _page(session, query, limit, offset)
+    return offset_page(session, query, limit, offset)
 
 
 def get_key(session: Session, prefix: str) -> ApiKey:
@@ -636,7 +631,7 @@ def list_deployments(
     query = select(Deployment).order_by(Deployment.name)
     if enabled_only:
         query = query.where(Deployment.enabled.is_(True))
-    return _page(session, query, limit, offset)
+    return offset_page(session, query, limit, offset)
 
 
 def deployment_audit(
@@ -648,7 +643,7 @@ def deployment_audit(
         .where(DeploymentAudit.deployment == name)
         .order_by(DeploymentAudit.created_at.desc(), DeploymentAudit.id.desc())
     )
-    return _page(session, query, limit, offset)
+    return offset_page(session, query, limit, offset)
 
 
 # --- request records -------------------------------------------------------------------------------------
@@ -761,32 +756,21 @@ def settle_records(session: Session, records: Sequence[Mapping[str, Any]]) -> li
     return changed
 
 
-# --- cursor pagination -----------------------------------------------------------------------------------
-# Keyset pages: a cursor encodes the sort key of the last row served, so rows inserted or removed meanwhile
-# never shift a page (offsets would repeat or skip them), and each page is one indexed range scan.
-
-T = TypeVar("T")
-MAX_PAGE = 200
-
-
-@dataclass(frozen=True)
-class Page(Generic[T]):
-    items: list[T]
-    next_cursor: str | None  # None: this is the last page
+# --- pages -----------------------------------------------------------------------------------------------
 
 
 def tenants_page(session: Session, *, cursor: str | None = None, limit: int = 50) -> Page[Tenant]:
-    return _keyset(session, select(Tenant), (Tenant.created_at, Tenant.id), cursor, limit)
+    return keyset(session, select(Tenant), (Tenant.created_at, Tenant.id), cursor, limit)
 
 
 def keys_page(session: Session, tenant: str, *, cursor: str | None = None, limit: int = 50) -> Page[ApiKey]:
     owner = get_tenant(session, tenant)
     query = select(ApiKey).where(ApiKey.tenant_id == owner.id)
-    return _keyset(session, query, (ApiKey.created_at, ApiKey.id), cursor, limit)
+    return keyset(session, query, (ApiKey.created_at, ApiKey.id), cursor, limit)
 
 
 def deployments_page(session: Session, *, cursor: str | None = None, limit: int = 50) -> Page[Deployment]:
-    return _keyset(session, select(Deployment), (Deployment.name,), cursor, limit)
+    return keyset(session, select(Deployment), (Deployment.name,), cursor, limit)
 
 
 def audit_page(
@@ -795,83 +779,13 @@ def audit_page(
     """The deployment's changes, newest first (ids grow with every change). The log outlives a removed
     deployment; a name with neither a deployment nor any change is ``NotFound``."""
     query = select(DeploymentAudit).where(DeploymentAudit.deployment == name)
-    page = _keyset(session, query, (DeploymentAudit.id,), cursor, limit, descending=True)
+    page = keyset(session, query, (DeploymentAudit.id,), cursor, limit, descending=True)
     if not page.items and cursor is None:
         get_deployment(session, name)
     return page
 
 
-def _keyset(
-    session: Session,
-    query: Select,
-    order: Sequence[Any],
-    cursor: str | None,
-    limit: int,
-    *,
-    descending: bool = False,
-) -> Page:
-    if not 1 <= limit <= MAX_PAGE:
-        raise InvalidCursor(f"limit must be between 1 and {MAX_PAGE}, got {limit}")
-    if cursor is not None:
-        query = query.where(_after(order, _decode_cursor(cursor, order), descending))
-    query = query.order_by(*(column.desc() if descending else column for column in order))
-    rows = list(session.scalars(query.limit(limit + 1)))
-    more = len(rows) > limit
-    rows = rows[:limit]
-    next_cursor = _encode_cursor([getattr(rows[-1], column.key) for column in order]) if more else None
-    return Page(rows, next_cursor)
-
-
-def _after(order: Sequence[Any], values: list[Any], descending: bool) -> ColumnElement[bool]:
-    """Rows strictly past ``values`` in the sort order: (a, b) > (x, y) spelt out for every database."""
-    column, value = order[0], values[0]
-    past = column < value if descending else column > value
-    if len(order) == 1:
-        return past
-    return or_(past, and_(column == value, _after(order[1:], values[1:], descending)))
-
-
-def _encode_cursor(values: list[Any]) -> str:
-    plain = [v.isoformat() if isinstance(v, datetime) else v for v in values]
-    return base64.urlsafe_b64encode(json.dumps(plain).encode()).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str, order: Sequence[Any]) -> list[Any]:
-    invalid = InvalidCursor(
-        f"invalid cursor {cursor[:40]!r}: pass the next_cursor of the previous page unchanged, "
-        "or omit it for the first page"
-    )
-    try:
-        values = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-    except (binascii.Error, ValueError):
-        raise invalid from None
-    if not isinstance(values, list) or len(values) != len(order):
-        raise invalid
-    decoded = []
-    for column, value in zip(order, values, strict=True):
-        column_type = column.type
-        # UTCDateTime, a TypeDecorator, reports python_type ``object``: ask its implementation.
-        kind = getattr(column_type, "impl_instance", column_type).python_type
-        try:
-            if kind is datetime:
-                value = datetime.fromisoformat(value)
-                if value.tzinfo is None:
-                    raise ValueError("naive")
-            elif not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError("wrong type")
-        except (TypeError, ValueError):
-            raise invalid from None
-        decoded.append(value)
-    return decoded
-
-
 # --- helpers ---------------------------------------------------------------------------------------------
-
-
-def _page(session: Session, query: Select, limit: int | None, offset: int) -> list:
-    if limit is not None:
-        query = query.limit(limit)
-    return list(session.scalars(query.offset(offset)))
 
 
 def _commit(session: Session, conflict_message: str) -> None:

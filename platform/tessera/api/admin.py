@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.convertors import Convertor, register_url_convertor
 
+from billing.pagination import MAX_PAGE, InvalidCursor, Page
 from gpu_workers.protocol import POOLS, WorkerInfo, pool_queue
 from tessera import quota_config, routing, tenancy
 from tessera.api.admin_schemas import (
@@ -77,7 +78,7 @@ class DeploymentName(Convertor[str]):
 register_url_convertor("deployment", DeploymentName())
 
 Cursor = Annotated[str | None, Query(description="next_cursor of the previous page; omit for the first")]
-Limit = Annotated[int, Query(ge=1, le=tenancy.MAX_PAGE, description="items per page")]
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="items per page")]
 
 
 @contextmanager
@@ -90,7 +91,7 @@ def _session(request: Request) -> Iterator[Session]:
             raise APIError(404, str(exc), "not_found") from None
         except tenancy.Conflict as exc:
             raise APIError(409, str(exc), "conflict") from None
-        except tenancy.InvalidCursor as exc:
+        except InvalidCursor as exc:
             raise APIError(400, str(exc), "invalid_request", param="cursor") from None
         except tenancy.InvalidConfig as exc:
             raise APIError(422, str(exc), "invalid_config") from None
@@ -257,7 +258,7 @@ def list_audit(
             page = tenancy.audit_events_page(
                 session, tenant=tenant, target_type=target_type, cursor=cursor, limit=limit
             )
-        except tenancy.InvalidCursor as exc:
+        except InvalidCursor as exc:
             param = "target_type" if "target_type" in str(exc) else "cursor"
             raise APIError(400, str(exc), "invalid_request", param=param) from None
         return ListResponse(data=[AuditEventOut.of(e) for e in page.items], next_cursor=page.next_cursor)
@@ -359,12 +360,10 @@ async def list_pools(request: Request, cursor: Cursor = None, limit: Limit = 50)
     return ListResponse(data=pools, next_cursor=page.next_cursor)
 
 
-def _deployments_page(
-    request: Request, cursor: str | None, limit: int
-) -> tenancy.Page[tuple[str, str, bool]]:
+def _deployments_page(request: Request, cursor: str | None, limit: int) -> Page[tuple[str, str, bool]]:
     with _session(request) as session:
         page = tenancy.deployments_page(session, cursor=cursor, limit=limit)
-        return tenancy.Page([(d.name, d.mode, d.enabled) for d in page.items], page.next_cursor)
+        return Page([(d.name, d.mode, d.enabled) for d in page.items], page.next_cursor)
 
 
 async def _pool_status(

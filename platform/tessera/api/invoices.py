@@ -145,7 +145,7 @@ def _list(request: Request, tenant_id: str, cursor: str | None, limit: int) -> I
             page, next_cursor = billing.list_invoices(
                 session, tenant_id, cursor=cursor, limit=limit, grace=_grace(request)
             )
-        except billing.BadCursor as exc:
+        except billing.InvalidCursor as exc:
             raise APIError(400, str(exc), "invalid_request", param="cursor") from None
     data = [
         InvoiceSummaryOut(

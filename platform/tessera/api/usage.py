@@ -199,7 +199,7 @@ def _usage(
                 cursor=cursor,
                 limit=limit,
             )
-        except billing.BadCursor as exc:
+        except billing.InvalidCursor as exc:
             raise APIError(400, str(exc), "invalid_request", param="cursor") from None
     field = {"day": "day", "model": "model", "key": "key_id"}[group_by]
     rows = [
@@ -328,7 +328,7 @@ def _events(
                 cursor=cursor,
                 limit=limit,
             )
-        except billing.BadCursor as exc:
+        except billing.InvalidCursor as exc:
             raise APIError(400, str(exc), "invalid_request", param="cursor") from None
     return events, next_cursor, start, end
 
