@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 from tessera import responses, streaming
+from tessera.stream_hub import StreamHub, hub_for
 from test_budgets import REDIS_URL
 
 from gpu_workers.protocol import STREAM_FIELD, Event, stream_key
@@ -31,6 +33,12 @@ def _token(i: int) -> bytes:
 def _final(n: int) -> bytes:
     usage = {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": n}
     return Event(kind="final", finish_reason="length", usage=usage, worker_id="w").to_json()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Return once ``condition`` holds, polled between turns of the event loop."""
+    while not condition():
+        await asyncio.sleep(0.001)
 
 
 def test_many_streams_are_read_with_one_xread_per_step_not_one_per_request(tmp_path):
@@ -58,7 +66,8 @@ def test_many_streams_are_read_with_one_xread_per_step_not_one_per_request(tmp_p
 
         before = _xread_calls(sync)
         collected = asyncio.gather(*(streaming.collect(r) for r in readers))
-        await asyncio.sleep(0.05)  # every reader waiting before the first step
+        hub = hub_for(client)
+        await _until(lambda: len(hub._reading) == requests + 1)  # every reader waiting before the first step
         await worker()
         results = await collected
         calls = _xread_calls(sync) - before
@@ -87,10 +96,10 @@ def test_a_reader_that_starts_during_a_blocked_read_is_served_without_waiting_fo
 
     async def run() -> list[tuple[bytes, dict]]:
         client = aioredis.Redis.from_url(REDIS_URL)
-        hub = streaming.StreamHub(client, block_ms=120_000)  # a read that would block for two minutes
+        hub = StreamHub(client, block_ms=120_000)  # a read that would block for two minutes
         a = hub.subscribe(stream_key(first))
         waiting = asyncio.ensure_future(a.read(60))
-        await asyncio.sleep(0.2)  # the hub is now blocked on the first stream alone
+        await _until(lambda: stream_key(first).encode() in hub._reading)  # blocked on the first stream alone
         b = hub.subscribe(stream_key(second))
         sync.xadd(stream_key(second), {STREAM_FIELD: _token(7)})
         entries = await b.read(30)  # served by a fresh read: the new reader woke the blocked one
@@ -124,7 +133,7 @@ def test_a_failed_read_fails_every_reader_of_the_hub_and_the_gateway_says_stream
 
 
 def test_one_stream_cannot_be_read_twice_through_one_hub():
-    hub = streaming.StreamHub(aioredis.Redis.from_url(REDIS_URL))
+    hub = StreamHub(aioredis.Redis.from_url(REDIS_URL))
     hub.subscribe("tessera:stream:req_twice")
     with pytest.raises(ValueError, match="already being read"):
         hub.subscribe("tessera:stream:req_twice")
