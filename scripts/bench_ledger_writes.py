@@ -1,5 +1,5 @@
 """CPU per request of the two database writes every request makes after it ends: its record
-(``tenancy.settle_records``, the gateway's record writer) and its ledger row with the sums it adds to
+(``tessera.records.settle_records``, the gateway's record writer) and its ledger row with the sums it adds to
 (``billing.ledger.record_events``, the billing consumer), in batches of 1, 8 and 32 as the writers drain them.
 
     python scripts/bench_ledger_writes.py [sqlite | postgresql]            # this tree
@@ -18,8 +18,9 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
-from tessera import db, tenancy
+from tessera import db
 from tessera.models import Tenant
+from tessera.records import settle_records
 
 from billing.ledger import UsageEvent, record_events
 
@@ -71,7 +72,7 @@ def run(url: str) -> None:
         session.add(Tenant(id="t1", name="t1"))
         session.commit()
     for name, write, make in (
-        ("settle_records", tenancy.settle_records, records),
+        ("settle_records", settle_records, records),
         ("record_events", record_events, events),
     ):
         per = [measure(sessions, write, make, batch) for batch in (1, 8, 32)]

@@ -39,7 +39,7 @@ BATCH = {"requests": [{"prompt": PROMPT[:990_000]} for _ in range(10)]}  # ~9.9 
 
 def serve(data: Path, port: int, redis_url: str) -> None:
     sys.path[:0] = [str(TREE / "platform"), str(TREE / "tests")]
-    from tessera import db, quota_config, tenancy
+    from tessera import db, deployments, quota_config, tenancy
     from tessera.app import create_app
     from tessera.quotas import Limits
     from tessera.server import server
@@ -64,7 +64,7 @@ def serve(data: Path, port: int, redis_url: str) -> None:
             "max_model_len": 2048,
             "max_tokens_limit": 256,
         }
-        tenancy.create_deployment(session, config, actor="flood")
+        deployments.create_deployment(session, config, actor="flood")
         keys = {}
         for name in ("flood", "quiet"):
             tenant = tenancy.create_tenant(session, name)

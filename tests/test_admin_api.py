@@ -12,8 +12,9 @@ import uuid
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from tessera import auth, db, tenancy
+from tessera import auth, db, deployments, tenancy
 from tessera.app import create_app
+from tessera.errors import InvalidConfig
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
 from tessera.settings import Settings
 
@@ -56,7 +57,7 @@ def admin(tmp_path_factory):
         _, admin_key = tenancy.create_key(session, "ops", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
         _, tenant_key = tenancy.create_key(session, "acme")
         config = {"name": model, "checkpoint": "/nowhere", "mode": "disaggregated"}
-        tenancy.create_deployment(session, config, actor="test", check_checkpoint_files=False)
+        deployments.create_deployment(session, config, actor="test", check_checkpoint_files=False)
     auth.key_cache.clear()
     with TestClient(create_app(settings)) as client:
         yield Admin(client, sessions, admin_key, tenant_key, model)
@@ -388,13 +389,13 @@ def test_cursor_pages_break_timestamp_ties_and_survive_inserts_on_both_databases
             cursor = page.next_cursor
         assert sorted(seen) == sorted([f"t{i}" for i in range(9)] + ["late"]) and len(seen) == 10
 
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session, {"name": "@t/d", "checkpoint": "/x"}, actor="a", check_checkpoint_files=False
         )
         for size in (32, 64, 128):
-            tenancy.update_deployment(session, "@t/d", {"page_size": size}, actor="a")
-        first = tenancy.audit_page(session, "@t/d", limit=3)
-        rest = tenancy.audit_page(session, "@t/d", cursor=first.next_cursor, limit=3)
+            deployments.update_deployment(session, "@t/d", {"page_size": size}, actor="a")
+        first = deployments.audit_page(session, "@t/d", limit=3)
+        rest = deployments.audit_page(session, "@t/d", cursor=first.next_cursor, limit=3)
         actions = [(e.action, e.changes.get("page_size")) for e in first.items + rest.items]
         assert actions == [
             ("update", [64, 128]),
@@ -407,7 +408,7 @@ def test_cursor_pages_break_timestamp_ties_and_survive_inserts_on_both_databases
 
 def test_deployment_numbers_past_their_columns_are_refused_on_both_databases(migrated_sessions):
     with migrated_sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session, {"name": "@t/big", "checkpoint": "/x"}, actor="a", check_checkpoint_files=False
         )
         for field, value in (
@@ -416,10 +417,10 @@ def test_deployment_numbers_past_their_columns_are_refused_on_both_databases(mig
             ("local_prefill_max_tokens", 2**31),
             ("kv_budget_bytes", 2**63),
         ):
-            with pytest.raises(tenancy.InvalidConfig, match=field):
-                tenancy.update_deployment(session, "@t/big", {field: value}, actor="a")
+            with pytest.raises(InvalidConfig, match=field):
+                deployments.update_deployment(session, "@t/big", {field: value}, actor="a")
         # The largest values the columns hold are taken (the database is still usable after the refusals).
         big = {"max_num_seqs": 2**31 - 1, "kv_budget_bytes": 2**63 - 1, "local_prefill_max_tokens": 2**31 - 1}
-        tenancy.update_deployment(session, "@t/big", big, actor="a")
-        got = tenancy.get_deployment(session, "@t/big")
+        deployments.update_deployment(session, "@t/big", big, actor="a")
+        got = deployments.get_deployment(session, "@t/big")
         assert (got.max_num_seqs, got.kv_budget_bytes, got.local_prefill_max_tokens) == tuple(big.values())

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 from tessera import quota_config, tenancy
+from tessera.errors import Conflict, InvalidConfig
 from tessera.models import AuditEvent
 from tessera.quotas import Limits
 
@@ -103,12 +104,12 @@ def test_bad_audit_filters_are_400_or_404_naming_what_to_fix(admin):
 def test_a_refused_change_writes_no_audit_event_and_a_no_op_writes_none(migrated_sessions):
     with migrated_sessions() as session:
         tenancy.create_tenant(session, "solo", actor="test")
-        with pytest.raises(tenancy.Conflict):
+        with pytest.raises(Conflict):
             tenancy.create_tenant(session, "solo", actor="test")
         tenancy.set_tenant_disabled(session, "solo", False, actor="test")  # already enabled
         quota_config.set_limits(session, "solo", Limits(), actor="test")  # already unlimited
         key, _ = tenancy.create_key(session, "solo", actor="test")
-        with pytest.raises(tenancy.InvalidConfig):
+        with pytest.raises(InvalidConfig):
             tenancy.update_key(session, key.prefix, name="x" * 101, actor="test")
         rows = session.query(AuditEvent).order_by(AuditEvent.id).all()
         assert [(r.target_type, r.action) for r in rows] == [("tenant", "create"), ("key", "create")]

@@ -20,6 +20,7 @@ from api_processes import api_processes as replica_processes
 from api_processes import free_port
 from sqlalchemy import event, select
 from tessera import auth, db, tenancy
+from tessera.errors import InvalidConfig, NotFound
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey
 from tessera.settings import RUNNING_REDIS_FILE
 
@@ -146,7 +147,7 @@ def test_revoking_accepts_the_bare_prefix_or_the_whole_key(session, acme_key):
     key, raw = acme_key
     assert tenancy.revoke_key(session, raw).id == key.id
     assert tenancy.revoke_key(session, key.prefix).revoked  # revoking twice is harmless
-    with pytest.raises(tenancy.NotFound, match="no API key with prefix 'zzzzzzzz'"):
+    with pytest.raises(NotFound, match="no API key with prefix 'zzzzzzzz'"):
         tenancy.revoke_key(session, "tsk_zzzzzzzz")
 
 
@@ -196,9 +197,9 @@ def test_a_verified_key_stays_readable_after_its_session_closes(engine, acme_key
 
 
 def test_creating_keys_refuses_unknown_tenants_and_scopes(session, acme_key):
-    with pytest.raises(tenancy.NotFound, match="no tenant named 'nobody'"):
+    with pytest.raises(NotFound, match="no tenant named 'nobody'"):
         tenancy.create_key(session, "nobody")
-    with pytest.raises(tenancy.InvalidConfig, match="invalid scopes.*choose from inference, admin"):
+    with pytest.raises(InvalidConfig, match="invalid scopes.*choose from inference, admin"):
         tenancy.create_key(session, "acme", scopes=["root"])
 
 
@@ -408,7 +409,7 @@ def test_an_expired_key_is_refused_even_from_the_cache(session, acme_key):
 
 
 def test_a_key_cannot_be_created_already_expired(session, acme_key):
-    with pytest.raises(tenancy.InvalidConfig, match="expires_at .* is in the past"):
+    with pytest.raises(InvalidConfig, match="expires_at .* is in the past"):
         tenancy.create_key(session, "acme", expires_at=datetime.now(timezone.utc) - timedelta(seconds=1))
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
-from tessera import batch, db, quota_config, tenancy
+from tessera import batch, db, deployments, quota_config, tenancy
 from tessera.app import create_app
 from tessera.models import BatchItem, RequestRecord
 from tessera.quotas import Limits
@@ -394,7 +394,7 @@ def lone(tmp_path, demo_model_dir, redis_url):
             "max_model_len": 128,
             "max_tokens_limit": 32,
         }
-        tenancy.create_deployment(session, config, actor="test")
+        deployments.create_deployment(session, config, actor="test")
         tenant_id = tenancy.create_tenant(session, "acme").id
         _, key = tenancy.create_key(session, "acme")
     pools = FakePools(sync_redis(redis_url), silent)
@@ -486,7 +486,7 @@ def platform_up(tmp_path_factory, demo_model_dir, redis_url):
             "max_model_len": 128,
             "max_tokens_limit": 32,
         }
-        spec = tenancy.create_deployment(session, config, actor="test").to_spec()
+        spec = deployments.create_deployment(session, config, actor="test").to_spec()
         accounts = {}
         for name in ("acme", "globex"):
             tenant_id = tenancy.create_tenant(session, name).id

@@ -20,7 +20,7 @@ import pytest
 import redis
 import uvicorn
 from sqlalchemy import select
-from tessera import db, quota_config, tenancy
+from tessera import db, deployments, quota_config, tenancy
 from tessera.cli.quotas import parse_usd
 from tessera.models import SCOPE_ADMIN
 from tessera.quotas import Limits, Quotas, Scope, usd
@@ -103,7 +103,7 @@ def stack(tmp_path_factory, demo_model_dir):
     sessions = db.session_factory(db.make_engine(settings.database_url))
     model = f"@test/budget-{uuid.uuid4().hex[:8]}"
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {"name": model, "checkpoint": str(demo_model_dir), "max_model_len": 128, "max_tokens_limit": 32},
             actor="test",

@@ -182,7 +182,7 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
     at once on the new config, and a request queued for it while it restarted is served by its successor."""
     import io
 
-    from tessera import db, tenancy
+    from tessera import db, deployments
     from tessera.supervisor import Supervisor
 
     from gpu_workers.protocol import (
@@ -203,7 +203,7 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
     name = f"@test/reload-{os.getpid()}-{int(time.time() * 1000) % 10**6}"
     config = {"name": name, "checkpoint": str(demo_model_dir), "mode": "colocated", "max_model_len": 128}
     with sessions() as session:
-        tenancy.create_deployment(session, {**config, "max_tokens_limit": 32}, actor="test", redis=client)
+        deployments.create_deployment(session, {**config, "max_tokens_limit": 32}, actor="test", redis=client)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_") and k != SUCCESSOR_FIRST_ENV}
     env |= {
         "TESSERA_DATA_DIR": str(tmp_path),
@@ -231,7 +231,9 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
     try:
         old = tend_until(lambda: next((w for w in workers() if w.config_version == 1), None), "no worker")
         with sessions() as session:
-            tenancy.update_deployment(session, name, {"integrity_check": False}, actor="test", redis=client)
+            deployments.update_deployment(
+                session, name, {"integrity_check": False}, actor="test", redis=client
+            )
         tend_until(lambda: supervisor.children[0].process.pid != old.pid, "not restarted")
         assert "exited to reload its config; restarted it at once" in supervisor.out.getvalue()
         left = next(w for w in workers() if w.worker_id == old.worker_id)
@@ -260,7 +262,7 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
 def test_each_committed_change_is_announced_with_its_audit_count_and_a_no_op_update_announces_again(
     tmp_path, demo_model_dir
 ):
-    from tessera import db, tenancy
+    from tessera import db, deployments
 
     from gpu_workers.pools.heartbeat import ConfigWatch
     from gpu_workers.protocol import DeploymentSpec, config_key
@@ -278,25 +280,27 @@ def test_each_committed_change_is_announced_with_its_audit_count_and_a_no_op_upd
     try:
         with sessions() as session:
             config = {"name": name, "checkpoint": str(demo_model_dir)}
-            created = tenancy.create_deployment(session, config, actor="test", redis=client)
+            created = deployments.create_deployment(session, config, actor="test", redis=client)
             assert announced() == (1, created.to_spec())
-            tenancy.update_deployment(session, name, {"decode_kv": "bf16"}, actor="test", redis=client)
-            tenancy.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
+            deployments.update_deployment(session, name, {"decode_kv": "bf16"}, actor="test", redis=client)
+            deployments.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
             version, spec = announced()
-            assert version == len(tenancy.deployment_audit(session, name)) == 3
+            assert version == len(deployments.deployment_audit(session, name)) == 3
             assert (spec.decode_kv, spec.page_size) == ("bf16", 32)
             client.delete(config_key(name))  # as if the announcement had been lost
-            tenancy.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
+            deployments.update_deployment(session, name, {"page_size": 32}, actor="test", redis=client)
             assert announced() == (3, spec)  # nothing changed, nothing audited: announced again
             # A routing-only field (the gateway's): a new version, the same worker spec, so no worker
             # on the old version counts as stale and none restarts.
             watch = ConfigWatch(client, spec)
-            tenancy.update_deployment(
+            deployments.update_deployment(
                 session, name, {"local_prefill_max_tokens": 32}, actor="test", redis=client
             )
             assert announced() == (4, spec)
             assert watch.current() and watch.version == 4
-            tenancy.update_deployment(session, name, {"decode_kv": "fp8_e4m3"}, actor="test", redis=client)
+            deployments.update_deployment(
+                session, name, {"decode_kv": "fp8_e4m3"}, actor="test", redis=client
+            )
             assert not watch.current()
     finally:
         client.delete(config_key(name))

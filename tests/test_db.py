@@ -18,8 +18,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Column, Integer, MetaData, Table, inspect, select, text
 from sqlalchemy.exc import IntegrityError
-from tessera import db, tenancy
+from tessera import db, deployments, tenancy
+from tessera.errors import Conflict, InvalidConfig, NotFound
 from tessera.models import Base, DeploymentAudit, RequestRecord, Tenant
+from tessera.records import record_request, settle_records
 from tessera.settings import Settings, get_settings
 from test_gateway import redis_url as redis_url  # a fixture: the local Redis, or an embedded one
 
@@ -377,7 +379,7 @@ def test_naive_datetimes_are_refused(session):
 
 def test_tenant_names_are_unique(session):
     tenancy.create_tenant(session, "acme")
-    with pytest.raises(tenancy.Conflict, match="tenant 'acme' already exists"):
+    with pytest.raises(Conflict, match="tenant 'acme' already exists"):
         tenancy.create_tenant(session, "acme")
 
 
@@ -394,7 +396,7 @@ def test_keys_of_an_unknown_tenant_are_refused_by_the_foreign_key(session):
 
 
 def test_deployment_defaults_are_the_worker_defaults_and_round_trip_to_a_spec(session, checkpoint):
-    deployment = tenancy.create_deployment(
+    deployment = deployments.create_deployment(
         session, {"name": "@tessera/demo", "checkpoint": str(checkpoint)}, actor="test"
     )
     assert deployment.to_spec() == DeploymentSpec(name="@tessera/demo", checkpoint=str(checkpoint))
@@ -421,9 +423,9 @@ def test_deployment_to_spec_carries_every_worker_field(session, tmp_path):
         "integrity_check": False,
         "prefix_cache": False,
     }
-    tenancy.create_deployment(session, config, actor="test")
+    deployments.create_deployment(session, config, actor="test")
     session.expire_all()
-    spec = tenancy.get_deployment(session, "@tessera/big").to_spec()
+    spec = deployments.get_deployment(session, "@tessera/big").to_spec()
     expected = {k: v for k, v in config.items() if k != "max_tokens_limit"}
     assert {k: getattr(spec, k) for k in expected} == expected
 
@@ -438,8 +440,8 @@ def test_invalid_deployment_config_names_every_problem(session, checkpoint):
         "mode": "sharded",
         "max_num_seqs": 0,
     }
-    with pytest.raises(tenancy.InvalidConfig) as excinfo:
-        tenancy.create_deployment(session, bad, actor="test")
+    with pytest.raises(InvalidConfig) as excinfo:
+        deployments.create_deployment(session, bad, actor="test")
     message = str(excinfo.value)
     for expected in (
         "name: expected a model id like '@tessera/demo'",
@@ -451,29 +453,29 @@ def test_invalid_deployment_config_names_every_problem(session, checkpoint):
         "max_num_seqs: Input should be greater than 0",
     ):
         assert expected in message
-    assert tenancy.list_deployments(session) == []
+    assert deployments.list_deployments(session) == []
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 256, 1024])
 def test_page_sizes_that_are_powers_of_two_are_accepted(page_size, checkpoint):
-    assert tenancy.validate_deployment({"name": "m", "checkpoint": str(checkpoint), "page_size": page_size})
+    assert deployments.validate_deployment(
+        {"name": "m", "checkpoint": str(checkpoint), "page_size": page_size}
+    )
 
 
 @pytest.mark.parametrize("page_size", [0, -16, 3, 24, 2048])
 def test_other_page_sizes_are_refused(page_size, checkpoint):
-    with pytest.raises(tenancy.InvalidConfig, match="page_size: must be a power of two"):
-        tenancy.validate_deployment({"name": "m", "checkpoint": str(checkpoint), "page_size": page_size})
+    with pytest.raises(InvalidConfig, match="page_size: must be a power of two"):
+        deployments.validate_deployment({"name": "m", "checkpoint": str(checkpoint), "page_size": page_size})
 
 
 def test_max_tokens_limit_must_fit_in_the_context(checkpoint):
-    with pytest.raises(
-        tenancy.InvalidConfig, match=r"max_tokens_limit \(4096\) exceeds max_model_len \(2048\)"
-    ):
-        tenancy.validate_deployment({"name": "m", "checkpoint": str(checkpoint), "max_model_len": 2048})
+    with pytest.raises(InvalidConfig, match=r"max_tokens_limit \(4096\) exceeds max_model_len \(2048\)"):
+        deployments.validate_deployment({"name": "m", "checkpoint": str(checkpoint), "max_model_len": 2048})
 
 
 def test_one_unquantised_checkpoint_serves_fp8_prefill_and_int4_decode(session, checkpoint, tmp_path):
-    created = tenancy.create_deployment(
+    created = deployments.create_deployment(
         session,
         {"name": "m", "checkpoint": str(checkpoint), "prefill_weights": "fp8", "decode_weights": "int4"},
         actor="t",
@@ -483,18 +485,18 @@ def test_one_unquantised_checkpoint_serves_fp8_prefill_and_int4_decode(session, 
 
 def test_a_quantised_checkpoint_serves_only_its_own_format(session, tmp_path):
     fp8 = quantised_checkpoint(tmp_path, "fp8")
-    with pytest.raises(tenancy.InvalidConfig, match="decode_weights=int4 cannot load .* quantised to fp8"):
-        tenancy.create_deployment(
+    with pytest.raises(InvalidConfig, match="decode_weights=int4 cannot load .* quantised to fp8"):
+        deployments.create_deployment(
             session,
             {"name": "m", "checkpoint": str(fp8), "prefill_weights": "fp8", "decode_weights": "int4"},
             actor="t",
         )
     int4 = quantised_checkpoint(tmp_path, "int4")
-    with pytest.raises(tenancy.InvalidConfig, match="prefill_weights=bf16 cannot load"):
-        tenancy.create_deployment(
+    with pytest.raises(InvalidConfig, match="prefill_weights=bf16 cannot load"):
+        deployments.create_deployment(
             session, {"name": "m", "checkpoint": str(int4), "decode_weights": "int4"}, actor="t"
         )
-    created = tenancy.create_deployment(
+    created = deployments.create_deployment(
         session,
         {"name": "m", "checkpoint": str(int4), "prefill_weights": "int4", "decode_weights": "int4"},
         actor="t",
@@ -504,20 +506,21 @@ def test_a_quantised_checkpoint_serves_only_its_own_format(session, tmp_path):
 
 def test_a_checkpoint_without_config_json_is_refused_unless_the_check_is_skipped(session, tmp_path):
     values = {"name": "remote", "checkpoint": str(tmp_path / "only-on-workers")}
-    with pytest.raises(tenancy.InvalidConfig, match=r"has no config.json.*--no-checkpoint-check"):
-        tenancy.create_deployment(session, values, actor="t")
+    with pytest.raises(InvalidConfig, match=r"has no config.json.*--no-checkpoint-check"):
+        deployments.create_deployment(session, values, actor="t")
     assert (
-        tenancy.create_deployment(session, values, actor="t", check_checkpoint_files=False).name == "remote"
+        deployments.create_deployment(session, values, actor="t", check_checkpoint_files=False).name
+        == "remote"
     )
 
 
 def test_update_deployment_validates_applies_and_audits(session, checkpoint):
-    tenancy.create_deployment(session, {"name": "@t/m", "checkpoint": str(checkpoint)}, actor="cli:alice")
-    updated = tenancy.update_deployment(
+    deployments.create_deployment(session, {"name": "@t/m", "checkpoint": str(checkpoint)}, actor="cli:alice")
+    updated = deployments.update_deployment(
         session, "@t/m", {"decode_kv": "bf16", "page_size": 32, "enabled": False}, actor="key:ab12cd34"
     )
     assert (updated.decode_kv, updated.page_size, updated.enabled) == ("bf16", 32, False)
-    audit = tenancy.deployment_audit(session, "@t/m")
+    audit = deployments.deployment_audit(session, "@t/m")
     assert [a.action for a in audit] == ["update", "create"]
     assert audit[0].actor == "key:ab12cd34"
     assert audit[0].changes == {
@@ -527,52 +530,52 @@ def test_update_deployment_validates_applies_and_audits(session, checkpoint):
     }
     assert audit[1].actor == "cli:alice" and audit[1].changes["checkpoint"] == [None, str(checkpoint)]
 
-    with pytest.raises(tenancy.InvalidConfig, match="page_size: must be a power of two"):
-        tenancy.update_deployment(session, "@t/m", {"page_size": 48}, actor="t")
+    with pytest.raises(InvalidConfig, match="page_size: must be a power of two"):
+        deployments.update_deployment(session, "@t/m", {"page_size": 48}, actor="t")
     session.expire_all()
-    assert tenancy.get_deployment(session, "@t/m").page_size == 32
-    assert len(tenancy.deployment_audit(session, "@t/m")) == 2
+    assert deployments.get_deployment(session, "@t/m").page_size == 32
+    assert len(deployments.deployment_audit(session, "@t/m")) == 2
 
 
 def test_an_update_that_changes_nothing_writes_no_audit_row(session, checkpoint):
-    tenancy.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
-    tenancy.update_deployment(session, "m", {"page_size": 16, "mode": "disaggregated"}, actor="t")
-    assert len(tenancy.deployment_audit(session, "m")) == 1
+    deployments.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
+    deployments.update_deployment(session, "m", {"page_size": 16, "mode": "disaggregated"}, actor="t")
+    assert len(deployments.deployment_audit(session, "m")) == 1
 
 
 def test_update_refuses_unknown_fields_and_renames(session, checkpoint):
-    tenancy.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
-    with pytest.raises(tenancy.InvalidConfig, match=r"cannot update name.*cannot change"):
-        tenancy.update_deployment(session, "m", {"name": "n"}, actor="t")
-    with pytest.raises(tenancy.InvalidConfig, match="cannot update colour: editable fields are checkpoint"):
-        tenancy.update_deployment(session, "m", {"colour": "blue"}, actor="t")
-    with pytest.raises(tenancy.NotFound, match="no deployment named 'nope'"):
-        tenancy.update_deployment(session, "nope", {"page_size": 8}, actor="t")
+    deployments.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
+    with pytest.raises(InvalidConfig, match=r"cannot update name.*cannot change"):
+        deployments.update_deployment(session, "m", {"name": "n"}, actor="t")
+    with pytest.raises(InvalidConfig, match="cannot update colour: editable fields are checkpoint"):
+        deployments.update_deployment(session, "m", {"colour": "blue"}, actor="t")
+    with pytest.raises(NotFound, match="no deployment named 'nope'"):
+        deployments.update_deployment(session, "nope", {"page_size": 8}, actor="t")
 
 
 def test_switching_weight_formats_rechecks_the_checkpoint(session, tmp_path):
     int4 = quantised_checkpoint(tmp_path, "int4")
     both = {"prefill_weights": "int4", "decode_weights": "int4"}
-    tenancy.create_deployment(session, {"name": "m", "checkpoint": str(int4), **both}, actor="t")
-    tenancy.update_deployment(session, "m", {"max_num_seqs": 4}, actor="t")  # unrelated: no file check
-    with pytest.raises(tenancy.InvalidConfig, match="decode_weights=fp8 cannot load"):
-        tenancy.update_deployment(session, "m", {"decode_weights": "fp8"}, actor="t")
+    deployments.create_deployment(session, {"name": "m", "checkpoint": str(int4), **both}, actor="t")
+    deployments.update_deployment(session, "m", {"max_num_seqs": 4}, actor="t")  # unrelated: no file check
+    with pytest.raises(InvalidConfig, match="decode_weights=fp8 cannot load"):
+        deployments.update_deployment(session, "m", {"decode_weights": "fp8"}, actor="t")
 
 
 def test_deployments_are_unique_and_listed_by_name(session, checkpoint):
     for name in ("b", "a", "c"):
-        tenancy.create_deployment(session, {"name": name, "checkpoint": str(checkpoint)}, actor="t")
-    with pytest.raises(tenancy.Conflict, match="deployment 'a' already exists"):
-        tenancy.create_deployment(session, {"name": "a", "checkpoint": str(checkpoint)}, actor="t")
-    tenancy.update_deployment(session, "b", {"enabled": False}, actor="t")
-    assert [d.name for d in tenancy.list_deployments(session)] == ["a", "b", "c"]
-    assert [d.name for d in tenancy.list_deployments(session, enabled_only=True)] == ["a", "c"]
-    assert [d.name for d in tenancy.list_deployments(session, limit=1, offset=1)] == ["b"]
+        deployments.create_deployment(session, {"name": name, "checkpoint": str(checkpoint)}, actor="t")
+    with pytest.raises(Conflict, match="deployment 'a' already exists"):
+        deployments.create_deployment(session, {"name": "a", "checkpoint": str(checkpoint)}, actor="t")
+    deployments.update_deployment(session, "b", {"enabled": False}, actor="t")
+    assert [d.name for d in deployments.list_deployments(session)] == ["a", "b", "c"]
+    assert [d.name for d in deployments.list_deployments(session, enabled_only=True)] == ["a", "c"]
+    assert [d.name for d in deployments.list_deployments(session, limit=1, offset=1)] == ["b"]
 
 
 def test_audit_rows_outlive_their_deployment(session, checkpoint):
-    tenancy.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
-    session.delete(tenancy.get_deployment(session, "m"))
+    deployments.create_deployment(session, {"name": "m", "checkpoint": str(checkpoint)}, actor="t")
+    session.delete(deployments.get_deployment(session, "m"))
     session.commit()
     assert session.scalar(select(DeploymentAudit.deployment)) == "m"
 
@@ -584,11 +587,11 @@ def test_a_request_settled_twice_counts_once(session):
     tenant = tenancy.create_tenant(session, "acme")
     key, _ = tenancy.create_key(session, "acme")
     common = {"tenant_id": tenant.id, "key_id": key.id, "deployment": "@tessera/demo"}
-    assert tenancy.record_request(session, "req-1", status="running", prompt_tokens=10, **common)
-    assert tenancy.record_request(
+    assert record_request(session, "req-1", status="running", prompt_tokens=10, **common)
+    assert record_request(
         session, "req-1", status="completed", prompt_tokens=10, cached_tokens=4, completion_tokens=7, **common
     )
-    assert not tenancy.record_request(
+    assert not record_request(
         session,
         "req-1",
         status="completed",
@@ -597,7 +600,7 @@ def test_a_request_settled_twice_counts_once(session):
         completion_tokens=99,
         **common,
     )
-    assert not tenancy.record_request(session, "req-1", status="running", **common)  # late, out of order
+    assert not record_request(session, "req-1", status="running", **common)  # late, out of order
     session.expire_all()
     records = session.scalars(select(RequestRecord)).all()
     assert len(records) == 1
@@ -615,10 +618,8 @@ def test_a_request_settled_twice_counts_once(session):
 def test_one_batch_of_records_with_different_columns_settles_each_once(session):
     tenant = tenancy.create_tenant(session, "acme")
     common = {"tenant_id": tenant.id, "deployment": "m"}
-    tenancy.settle_records(
-        session, [{"request_id": "done", "status": "completed", "completion_tokens": 5, **common}]
-    )
-    changed = tenancy.settle_records(
+    settle_records(session, [{"request_id": "done", "status": "completed", "completion_tokens": 5, **common}])
+    changed = settle_records(
         session,
         [
             {"request_id": "a", "status": "running", **common},
@@ -645,7 +646,7 @@ def test_one_batch_of_records_with_different_columns_settles_each_once(session):
 
 def test_a_failed_request_keeps_its_error_code(session):
     tenant = tenancy.create_tenant(session, "acme")
-    assert tenancy.record_request(
+    assert record_request(
         session,
         "r",
         tenant_id=tenant.id,
@@ -669,7 +670,7 @@ def test_concurrent_settles_of_one_request_count_once(migrated_url):
         with sessions() as session:
             barrier.wait()
             outcomes.append(
-                tenancy.record_request(
+                record_request(
                     session,
                     "req-x",
                     tenant_id=tenant_id,
@@ -690,8 +691,8 @@ def test_concurrent_settles_of_one_request_count_once(migrated_url):
 
 def test_unknown_request_status_is_refused(session):
     tenant = tenancy.create_tenant(session, "acme")
-    with pytest.raises(tenancy.InvalidConfig, match="invalid request status 'done'"):
-        tenancy.record_request(session, "r", tenant_id=tenant.id, deployment="m", status="done")
+    with pytest.raises(InvalidConfig, match="invalid request status 'done'"):
+        record_request(session, "r", tenant_id=tenant.id, deployment="m", status="done")
 
 
 def test_a_database_that_stops_answering_is_a_503_to_retry_not_a_500(

@@ -14,7 +14,7 @@ from gpu_workers.protocol import DeploymentSpec
 
 
 def test_auto_is_the_default_of_engines_and_deployments():
-    from tessera.tenancy import DeploymentConfig
+    from tessera.deployments import DeploymentConfig
 
     assert EngineConfig().dtype == "auto"
     assert DeploymentSpec(name="m", checkpoint="/c").dtype == "auto"

@@ -17,7 +17,7 @@ from embedding_models import minilm_dir
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
-from tessera import auth, db, quota_config, records, tenancy
+from tessera import auth, db, deployments, quota_config, records, tenancy
 from tessera.app import create_app
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
 from tessera.quotas import Limits
@@ -114,12 +114,12 @@ def stack(tmp_path_factory, demo_model_dir):
     embed, chat = f"@test/minilm-{suffix}", f"@test/chat-{suffix}"
     keys, tenant_ids = {}, {}
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {"name": embed, "checkpoint": str(checkpoint), "mode": "colocated", "max_num_seqs": 32},
             actor="t",
         )
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {
                 "name": chat,

@@ -27,7 +27,7 @@ import pytest
 import redis
 import uvicorn
 from fastapi.testclient import TestClient
-from tessera import db, records, routing, streaming, tenancy
+from tessera import db, deployments, records, routing, streaming, tenancy
 from tessera.app import create_app
 from tessera.models import RequestRecord
 from tessera.settings import Settings
@@ -215,9 +215,9 @@ def stack(tmp_path_factory, demo_model_dir, redis_url):
                 "max_model_len": CONTEXT,
                 "max_tokens_limit": LIMIT,
             }
-            tenancy.create_deployment(session, config, actor="test")
+            deployments.create_deployment(session, config, actor="test")
         disabled = f"@test/off-{suffix}"
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session, {"name": disabled, "checkpoint": str(demo_model_dir), "enabled": False}, actor="test"
         )
         tenancy.create_tenant(session, "acme")
@@ -627,7 +627,7 @@ def test_prompts_up_to_local_prefill_max_tokens_go_to_the_decode_worker_whole(gw
     name, limit = f"@test/local-{uuid.uuid4().hex[:8]}", 5
     with gw.sessions() as session:
         config = {"name": name, "checkpoint": str(demo_model_dir), "local_prefill_max_tokens": limit}
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session, {**config, "max_model_len": CONTEXT, "max_tokens_limit": LIMIT}, actor="test"
         )
     try:

@@ -284,7 +284,8 @@ def test_gguf_config_is_what_its_keys_say(tiny_dir):
 
 
 def test_a_deployment_takes_a_gguf_file_and_names_what_it_cannot_serve(tiny_dir, tmp_path):
-    from tessera.tenancy import InvalidConfig, check_checkpoint
+    from tessera.deployments import check_checkpoint
+    from tessera.errors import InvalidConfig
 
     path = tiny_dir / "deploy.gguf"
     write_tiny_gguf(path, "llama", "Q4_0")

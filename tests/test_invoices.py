@@ -244,7 +244,7 @@ def test_reconcile_detects_a_tampered_rollup_a_tampered_invoice_and_a_missing_ev
             }
             for o in made
         ]
-        tenancy.settle_records(session, records)
+        records.settle_records(session, records)
 
     def reconcile(*extra: str) -> tuple[int, dict]:
         code = main(["billing", "reconcile", "--period", NOV, "--database-url", url, "--json", *extra])
@@ -256,7 +256,7 @@ def test_reconcile_detects_a_tampered_rollup_a_tampered_invoice_and_a_missing_ev
 
     # A request that ended without a ledger event.
     with sessions() as session:
-        tenancy.settle_records(session, [{**records[0], "request_id": "never-charged"}])
+        records.settle_records(session, [{**records[0], "request_id": "never-charged"}])
     code, report = reconcile()
     assert code == 1 and report["mismatches"] == []
     assert report["missing_events"] == 1 and [m["request_id"] for m in report["missing"]] == ["never-charged"]

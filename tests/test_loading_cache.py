@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 import pytest
 from sqlalchemy import event
-from tessera import db, tenancy
+from tessera import db, deployments
 from tessera.api.catalog import Catalog
 from tessera.errors import APIError
 from tessera.loading_cache import LoadingCache
@@ -110,7 +110,7 @@ def slow_database(tmp_path):
 def test_an_expired_deployment_is_read_once_by_concurrent_requests(slow_database, demo_model_dir):
     sessions, reads = slow_database
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session, {"name": "@acme/demo", "checkpoint": str(demo_model_dir)}, actor="t"
         )
     catalog = Catalog(sessions, ttl_s=1.0, max_absent=2)  # outlives a read (0.2 s here)
@@ -164,7 +164,7 @@ def test_a_deployment_whose_checkpoint_cannot_be_read_is_a_503_until_it_can(
     sessions, reads = slow_database
     checkpoint = tmp_path / "not-yet"
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {"name": "@acme/later", "checkpoint": str(checkpoint)},
             actor="t",

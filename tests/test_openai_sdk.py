@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 import redis
-from tessera import db, tenancy
+from tessera import db, deployments, tenancy
 from tessera.launcher import CHAT_MODEL, DEFAULT_MODEL
 from tessera.settings import Settings
 from test_launcher import assert_all_stopped, start_up, stop_up
@@ -43,7 +43,7 @@ def client(up):
 def spec(up):
     engine = db.make_engine(Settings(data_dir=up.data_dir).database_url)
     with db.session_factory(engine)() as session:
-        spec = tenancy.get_deployment(session, DEFAULT_MODEL).to_spec()
+        spec = deployments.get_deployment(session, DEFAULT_MODEL).to_spec()
     engine.dispose()
     return spec
 
@@ -336,7 +336,7 @@ def test_model_without_live_workers_is_503_fast(client, up, spec):
     engine = db.make_engine(Settings(data_dir=up.data_dir).database_url)
     with db.session_factory(engine)() as session:
         config = {"name": "@tessera/idle", "checkpoint": spec.checkpoint, "mode": "colocated"}
-        tenancy.create_deployment(session, config, actor="test")
+        deployments.create_deployment(session, config, actor="test")
     engine.dispose()
     start = time.monotonic()
     with pytest.raises(openai.InternalServerError) as info:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from tessera.cli import build_parser
-from tessera.tenancy import check_checkpoint
+from tessera.deployments import check_checkpoint
 from torch import nn
 
 from gpu_workers.checkpoint import ModelLoadError

@@ -22,7 +22,7 @@ import redis
 import uvicorn
 from api_processes import api_processes, free_port
 from fastapi.testclient import TestClient
-from tessera import db, quota_config, quotas, tenancy
+from tessera import db, deployments, quota_config, quotas, tenancy
 from tessera.api.inference import in_flight_scope
 from tessera.app import create_app
 from tessera.quotas import Limits, Quotas, Scope
@@ -113,7 +113,7 @@ def stack(tmp_path_factory, demo_model_dir):
     sessions = db.session_factory(db.make_engine(settings.database_url))
     model = f"@test/quota-{uuid.uuid4().hex[:8]}"
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {"name": model, "checkpoint": str(demo_model_dir), "max_model_len": 128, "max_tokens_limit": 32},
             actor="test",
@@ -455,7 +455,7 @@ def served(stack, demo_model_dir):
             "mode": "colocated",
             "max_tokens_limit": 32,
         }
-        tenancy.create_deployment(session, config, actor="test", redis=stack.pools.redis)
+        deployments.create_deployment(session, config, actor="test", redis=stack.pools.redis)
     worker_id = f"stand-in-{uuid.uuid4().hex[:8]}"
     code = "import sys; from tessera.bench.gateway_harness import stand_in_worker; stand_in_worker(*sys.argv[1:])"
     log = stack.settings.data_dir / "stand-in-worker.log"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 from api_processes import api_processes
-from tessera import db, tenancy
+from tessera import db, deployments, tenancy
 
 from gpu_workers.protocol import STREAM_FIELD, Event, WorkerInfo, stream_key, worker_queue, workers_key
 
@@ -172,7 +172,7 @@ def test_sigterm_lets_a_stream_run_through_the_grace_period_then_ends_it_with_an
             "max_model_len": 128,
             "max_tokens_limit": 32,
         }
-        tenancy.create_deployment(session, config, actor="test")
+        deployments.create_deployment(session, config, actor="test")
         tenancy.create_tenant(session, "acme")
         _, key = tenancy.create_key(session, "acme")
     engine.dispose()

@@ -29,7 +29,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
-from tessera import db, tenancy
+from tessera import db, deployments, tenancy
 from tessera.models import SCOPE_ADMIN
 from test_db import postgres_admin as postgres_admin
 from test_db import postgres_url as postgres_url
@@ -181,7 +181,7 @@ def test_soak_ledger_rollups_invoices_and_meters_agree_with_what_clients_saw(
     db.upgrade(postgres_url)
     sessions = db.session_factory(db.make_engine(postgres_url))
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {
                 "name": model,

@@ -17,7 +17,7 @@ import redis
 import test_db
 from fastapi.testclient import TestClient
 from sqlalchemy import event, func, select
-from tessera import auth, db, quota_config, tenancy
+from tessera import auth, db, deployments, quota_config, tenancy
 from tessera.app import create_app
 from tessera.models import SCOPE_ADMIN
 from tessera.quotas import Limits
@@ -324,7 +324,7 @@ def api(tmp_path_factory, demo_model_dir):
     sessions = db.session_factory(db.make_engine(settings.database_url))
     keys: dict[str, tuple[str, str, str]] = {}
     with sessions() as session:
-        tenancy.create_deployment(
+        deployments.create_deployment(
             session,
             {
                 "name": DEPLOYMENT,

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from tessera import SHIPPED_MODEL_DIR, db, quota_config, tenancy
+from tessera import SHIPPED_MODEL_DIR, db, deployments, quota_config, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
 from tessera.quotas import Limits
 
@@ -120,7 +120,7 @@ def server(tmp_path_factory):
             session, "ops", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN), name="console"
         )
         config = {"name": deployment, "checkpoint": str(SHIPPED_MODEL_DIR), "mode": "disaggregated"}
-        tenancy.create_deployment(session, config, actor="test")
+        deployments.create_deployment(session, config, actor="test")
         key_ids = [k.id for k, _ in acme_keys]
         seed_usage(session, acme.id, key_ids, "acme", 300)
         seed_usage(session, globex_key.tenant_id, [globex_key.id], "globex", 50)

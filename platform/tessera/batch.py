@@ -25,8 +25,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from tessera.errors import NotFound
 from tessera.models import ApiKey, Batch, BatchItem, Tenant, utcnow
-from tessera.tenancy import NotFound
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,11 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 import tessera
+from tessera.errors import Conflict
 
 # The Alembic environment and versions: package data (a symlink to the checkout's migrations/ in a checkout,
 # a copy in a wheel). No alembic.ini is needed at run time: alembic_config() builds the config in code.
@@ -118,3 +120,12 @@ def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def commit_unique(session: Session, conflict_message: str) -> None:
+    """Commit; a unique constraint another writer won meanwhile becomes a ``Conflict``."""
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict(conflict_message) from None

@@ -1,7 +1,9 @@
-"""The error the gateway answers with, wherever it is raised: ``APIError``, and its OpenAI-style body.
+"""The error the gateway answers with, wherever it is raised: ``APIError``, and its OpenAI-style body; and the
+errors of the control plane's service layer (tenants, keys, deployments, quotas, records), ``ServiceError``s.
 
 Every error body is ``{"error": {"message", "type", "code", "param"}}``; ``tessera.api.errors`` turns
-these into HTTP responses.
+these into HTTP responses, and the admin API turns ``NotFound`` into a 404, ``Conflict`` into a 409 and
+``InvalidConfig`` into a 422.
 """
 
 from __future__ import annotations
@@ -20,6 +22,22 @@ _TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class ServiceError(ValueError):
+    """A change or lookup the service layer refused; the message says what was wrong and what to do."""
+
+
+class NotFound(ServiceError):
+    pass
+
+
+class Conflict(ServiceError):
+    pass
+
+
+class InvalidConfig(ServiceError):
+    pass
 
 
 class APIError(Exception):

@@ -41,7 +41,7 @@ from gpu_workers.protocol import (
     connect_redis,
     workers_key,
 )
-from tessera import SHIPPED_MODEL_DIR, db, installed_smollm2, tenancy
+from tessera import SHIPPED_MODEL_DIR, db, deployments, installed_smollm2, tenancy
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
 from tessera.settings import RUNNING_REDIS_FILE, Settings
 from tessera.supervisor import Child, DataDirLock, Supervisor, alive, check_port_free, stop_pid
@@ -147,8 +147,8 @@ class Launcher:
                 self.served = self.ensure_deployments(session, client)
                 self.ensure_first_key(session)
                 # Workers report the config version they serve; a Redis that lost it learns it again here.
-                for deployment in tenancy.list_deployments(session):
-                    tenancy.announce_config(session, deployment, client)
+                for deployment in deployments.list_deployments(session):
+                    deployments.announce_config(session, deployment, client)
         finally:
             client.close()
             engine.dispose()
@@ -267,7 +267,7 @@ class Launcher:
             if name != EMBEDDING_MODEL:
                 # Half the model's context: a request that leaves max_tokens out still has room for a prompt.
                 config["max_tokens_limit"] = _context_of(checkpoint) // 2
-            deployment = tenancy.create_deployment(session, config, actor="tessera up", redis=redis)
+            deployment = deployments.create_deployment(session, config, actor="tessera up", redis=redis)
         self.say(f"model: {name} ({checkpoint}); {deployment.mode}")
         pools = ("serve",) if deployment.mode == "colocated" else ("prefill", "decode")
         return Served(name, pools)
@@ -324,8 +324,8 @@ class Launcher:
         self.next_announce = time.monotonic() + ANNOUNCE_EVERY_S
         try:
             with db.session_factory(self.database)() as session:
-                for deployment in tenancy.list_deployments(session):
-                    tenancy.announce_config(session, deployment, self.redis)
+                for deployment in deployments.list_deployments(session):
+                    deployments.announce_config(session, deployment, self.redis)
         except SQLAlchemyError as e:  # say, SQLite busy with a writer: the next round tries again
             log.warning("could not read the deployments to announce their configs: %s", e)
 

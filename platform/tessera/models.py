@@ -165,7 +165,7 @@ class DeploymentAudit(Base):
 
 
 class RequestRecord(Base):
-    """One inference request's outcome, token counts and timings; settled once (see ``tenancy.settle_records``).
+    """One inference request's outcome, token counts and timings; settled once (see ``records.settle_records``).
     The gateway's records arrive through the outcome stream (``tessera.records``)."""
 
     __tablename__ = "request_records"

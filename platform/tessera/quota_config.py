@@ -19,6 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from billing.prices import DEFAULT_MODEL, amount, list_prices
 from billing.schema import Rollup
 from tessera import tenancy
+from tessera.audit import audit
+from tessera.errors import InvalidConfig, NotFound
 from tessera.loading_cache import LoadingCache
 from tessera.models import ApiKey, QuotaLimits, Tenant
 from tessera.quotas import LIMITS, Limits, Scope
@@ -46,7 +48,7 @@ def validate_limits(limits: Limits) -> Limits:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
             bad.append(f"{name}={value!r}")
     if bad:
-        raise tenancy.InvalidConfig(
+        raise InvalidConfig(
             f"invalid quota limits {', '.join(bad)}: each must be a whole number from 0 to {MAX_LIMIT}, "
             "or unset (unlimited)"
         )
@@ -71,14 +73,14 @@ def set_limits(
 ) -> Limits:
     """Replace the tenant's limits (or, with ``key_prefix``, that key's override) with ``limits``; a limit left
     unset is unlimited (for a key: the tenant's applies). Setting no limit at all removes a key's override.
-    Every API process applies the change within ``CACHE_TTL_S``. Audited (``tenancy.audit``) with the change."""
+    Every API process applies the change within ``CACHE_TTL_S``. Audited (``audit``) with the change."""
     validate_limits(limits)
     owner = _tenant(session, tenant)
     key: ApiKey | None = None
     if key_prefix is not None:
         key = tenancy.get_key(session, key_prefix)
         if key.tenant_id != owner.id:
-            raise tenancy.NotFound(
+            raise NotFound(
                 f"tenant {owner.name!r} has no API key with prefix {key.prefix!r}; "
                 f"`tessera keys list --tenant {owner.name}` shows its keys"
             )
@@ -88,7 +90,7 @@ def set_limits(
     before = None if key is not None and row is None else _limits(row)
     after = None if key is not None and limits.unlimited else limits
     if before != after:
-        tenancy.audit(
+        audit(
             session,
             actor=actor,
             action="set",
@@ -178,7 +180,7 @@ def _tenant(session: Session, name_or_id: str) -> Tenant:
         Tenant, name_or_id
     )
     if tenant is None:
-        raise tenancy.NotFound(f"no tenant named {name_or_id!r}; `tessera tenants list` shows them")
+        raise NotFound(f"no tenant named {name_or_id!r}; `tessera tenants list` shows them")
     return tenant
 
 

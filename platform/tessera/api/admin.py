@@ -23,7 +23,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from billing.pagination import MAX_PAGE, InvalidCursor, Page
 from gpu_workers.protocol import POOLS, WorkerInfo, pool_queue
-from tessera import quota_config, routing, tenancy
+from tessera import deployments, quota_config, routing, tenancy
 from tessera.api.admin_schemas import (
     AuditEntry,
     AuditEventOut,
@@ -44,8 +44,9 @@ from tessera.api.admin_schemas import (
     WorkerStatus,
 )
 from tessera.api.deps import AdminCaller, Caller, require_admin
-from tessera.errors import APIError
-from tessera.tenancy import DeploymentConfig
+from tessera.audit import audit_events_page
+from tessera.deployments import DeploymentConfig
+from tessera.errors import APIError, Conflict, InvalidConfig, NotFound
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -87,13 +88,13 @@ def _session(request: Request) -> Iterator[Session]:
     with request.app.state.sessions() as session:
         try:
             yield session
-        except tenancy.NotFound as exc:
+        except NotFound as exc:
             raise APIError(404, str(exc), "not_found") from None
-        except tenancy.Conflict as exc:
+        except Conflict as exc:
             raise APIError(409, str(exc), "conflict") from None
         except InvalidCursor as exc:
             raise APIError(400, str(exc), "invalid_request", param="cursor") from None
-        except tenancy.InvalidConfig as exc:
+        except InvalidConfig as exc:
             raise APIError(422, str(exc), "invalid_config") from None
 
 
@@ -255,7 +256,7 @@ def list_audit(
     """Who changed which tenant, key or quota, when, and the values before and after; newest first."""
     with _session(request) as session:
         try:
-            page = tenancy.audit_events_page(
+            page = audit_events_page(
                 session, tenant=tenant, target_type=target_type, cursor=cursor, limit=limit
             )
         except InvalidCursor as exc:
@@ -280,7 +281,7 @@ def list_deployments(
     request: Request, cursor: Cursor = None, limit: Limit = 50
 ) -> ListResponse[DeploymentOut]:
     with _session(request) as session:
-        page = tenancy.deployments_page(session, cursor=cursor, limit=limit)
+        page = deployments.deployments_page(session, cursor=cursor, limit=limit)
         return ListResponse(data=[DeploymentOut.of(d) for d in page.items], next_cursor=page.next_cursor)
 
 
@@ -289,7 +290,7 @@ def create_deployment(
     request: Request, body: DeploymentConfig, caller: AdminCaller, check_checkpoint: CheckCheckpoint = True
 ) -> DeploymentOut:
     with _session(request) as session:
-        deployment = tenancy.create_deployment(
+        deployment = deployments.create_deployment(
             session,
             body,
             actor=_actor(caller),
@@ -305,14 +306,14 @@ def deployment_audit(
 ) -> ListResponse[AuditEntry]:
     """Who changed the deployment, when, and each field before and after; newest first."""
     with _session(request) as session:
-        page = tenancy.audit_page(session, name, cursor=cursor, limit=limit)
+        page = deployments.audit_page(session, name, cursor=cursor, limit=limit)
         return ListResponse(data=[AuditEntry.of(e) for e in page.items], next_cursor=page.next_cursor)
 
 
 @router.get("/deployments/{name:deployment}", response_model=DeploymentOut)
 def get_deployment(request: Request, name: str) -> DeploymentOut:
     with _session(request) as session:
-        return DeploymentOut.of(tenancy.get_deployment(session, name))
+        return DeploymentOut.of(deployments.get_deployment(session, name))
 
 
 @router.patch("/deployments/{name:deployment}", response_model=DeploymentOut)
@@ -327,7 +328,7 @@ def update_deployment(
     change is audited. Workers serving the old config finish their requests on it, then restart on the new
     one (``config_version`` in ``/admin/pools``); queued requests wait for them."""
     with _session(request) as session:
-        deployment = tenancy.update_deployment(
+        deployment = deployments.update_deployment(
             session,
             name,
             body.model_dump(exclude_unset=True),
@@ -362,7 +363,7 @@ async def list_pools(request: Request, cursor: Cursor = None, limit: Limit = 50)
 
 def _deployments_page(request: Request, cursor: str | None, limit: int) -> Page[tuple[str, str, bool]]:
     with _session(request) as session:
-        page = tenancy.deployments_page(session, cursor=cursor, limit=limit)
+        page = deployments.deployments_page(session, cursor=cursor, limit=limit)
         return Page([(d.name, d.mode, d.enabled) for d in page.items], page.next_cursor)
 
 

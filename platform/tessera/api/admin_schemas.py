@@ -1,5 +1,5 @@
 """Request and response bodies of the admin API (``/admin``); the deployment config itself is
-``tessera.tenancy.DeploymentConfig``, so the API, the CLI and the database validate one model."""
+``tessera.deployments.DeploymentConfig``, so the API, the CLI and the database validate one model."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from tessera.deployments import DeploymentConfig, Dtype, KVFormat, Mode, WeightFormat, deployment_config
 from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
 from tessera.quotas import Limits
-from tessera.tenancy import DeploymentConfig, Dtype, KVFormat, Mode, WeightFormat, deployment_config
 
 T = TypeVar("T")
 

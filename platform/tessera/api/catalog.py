@@ -20,10 +20,10 @@ from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.encoder_checkpoint import EncoderConfig, EncoderTokenizer, is_encoder_checkpoint
 from gpu_workers.protocol import DeploymentSpec
 from gpu_workers.tokenizer import Tokenizer, load_tokenizer
+from tessera.deployments import DEPLOYMENT_NAME_RE
 from tessera.errors import APIError
 from tessera.loading_cache import LoadingCache
 from tessera.models import Deployment
-from tessera.tenancy import DEPLOYMENT_NAME_RE
 
 T = TypeVar("T")
 

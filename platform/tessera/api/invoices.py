@@ -19,7 +19,7 @@ import billing
 from tessera import tenancy
 from tessera.api.admin_schemas import ErrorResponse
 from tessera.api.deps import CurrentCaller, current_caller, require_admin
-from tessera.errors import APIError
+from tessera.errors import APIError, NotFound
 
 
 def _errors(forbidden: str, missing: str) -> dict[int | str, dict[str, Any]]:
@@ -191,7 +191,7 @@ def _tenant_id(request: Request, name: str) -> str:
     with request.app.state.sessions() as session:
         try:
             return tenancy.get_tenant(session, name).id
-        except tenancy.NotFound as exc:
+        except NotFound as exc:
             raise APIError(404, str(exc), "not_found") from None
 
 

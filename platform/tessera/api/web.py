@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
 
 import billing
-from tessera import PACKAGE_DATA, tenancy
+from tessera import PACKAGE_DATA, deployments
 from tessera.api.admin_schemas import Quotas
 from tessera.api.deps import CSRF_COOKIE, SESSION_COOKIE, WebSession, same_token, session_key
 from tessera.auth import verify_key
@@ -335,7 +335,7 @@ def _quota_fields() -> list[dict[str, str]]:
 
 def _deployment_choices() -> dict[str, list[str]]:
     """The allowed values of each choice field of a deployment, for the console's selects."""
-    fields = tenancy.DeploymentConfig.model_fields
+    fields = deployments.DeploymentConfig.model_fields
     choices = {}
     for name, field in fields.items():
         args = get_args(field.annotation)

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from starlette.concurrency import run_in_threadpool
 
 from gpu_workers.protocol import pool_queue
-from tessera import batch, routing, tenancy
+from tessera import batch, routing
 from tessera.api.deps import Caller, current_caller
 from tessera.api.embeddings import TextEmbeddingRequest, TextEmbeddingResult, run_text_embedding
 from tessera.api.errors import validation_error
@@ -41,7 +41,7 @@ from tessera.api.schemas import (
     StreamOptions,
     Text,
 )
-from tessera.errors import APIError
+from tessera.errors import APIError, NotFound
 from tessera.responses import (
     WorkersAIShape,
     usage_body,
@@ -497,7 +497,7 @@ async def _poll(request: Request, caller: Caller, model: str, batch_id: str) -> 
 
     try:
         view = await run_in_threadpool(load)
-    except tenancy.NotFound as e:
+    except NotFound as e:
         raise APIError(404, str(e), "batch_not_found") from None
     if view.status != "done":
         status = BatchStatus.model_validate(

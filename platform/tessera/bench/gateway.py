@@ -239,7 +239,7 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
         stream_key,
         worker_queue,
     )
-    from tessera import responses, routing, streaming, tenancy
+    from tessera import records, responses, routing, streaming
     from tessera.api.schemas import ChatCompletionRequest
     from tessera.app import create_app
     from tessera.auth import KeyCache, verify_key
@@ -304,7 +304,7 @@ async def measure_steps(stack: Stack, body: bytes, samples: int) -> list[dict]:
 
     def record() -> None:
         with sessions() as session:
-            tenancy.record_request(
+            records.record_request(
                 session,
                 next(record_ids),
                 tenant_id=caller.tenant_id,

@@ -163,7 +163,7 @@ class Stack:
 def serving(redis_url: str | None) -> Iterator[Stack]:
     """Start the stand-in worker, the gateway and the bare app in a temporary data dir; stop them after."""
     from gpu_workers.protocol import connect_redis
-    from tessera import db, quota_config, tenancy
+    from tessera import db, deployments, quota_config, tenancy
     from tessera.quotas import Limits
     from tessera.settings import Settings
 
@@ -182,7 +182,7 @@ def serving(redis_url: str | None) -> Iterator[Stack]:
         with db.session_factory(engine)() as session:
             config = {"name": model, "checkpoint": str(checkpoint), "mode": "colocated"}
             announce = connect_redis(url)  # the config version a worker would report
-            tenancy.create_deployment(session, config, actor="tessera bench gateway", redis=announce)
+            deployments.create_deployment(session, config, actor="tessera bench gateway", redis=announce)
             announce.close()
             tenancy.create_tenant(session, "bench")
             _, key = tenancy.create_key(session, "bench")

@@ -126,14 +126,14 @@ def _offline_engine(data_dir: Path):
     """An engine with the default deployment's decode settings, as its decode worker builds it."""
     from gpu_workers import Engine
     from gpu_workers.pools.worker import engine_config
-    from tessera import db, tenancy
+    from tessera import db, deployments
     from tessera.settings import Settings
 
     settings = Settings(data_dir=data_dir)
     engine = db.make_engine(settings.database_url)
     try:
         with db.session_factory(engine)() as session:
-            row = tenancy.get_deployment(session, DEFAULT_MODEL)
+            row = deployments.get_deployment(session, DEFAULT_MODEL)
             spec, local_prefill = row.to_spec(), row.local_prefill_max_tokens
     finally:
         engine.dispose()

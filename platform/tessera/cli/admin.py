@@ -316,10 +316,10 @@ def cmd_keys_update(args: argparse.Namespace) -> None:
 
 
 def cmd_audit_list(args: argparse.Namespace) -> None:
-    from tessera import tenancy
+    from tessera.audit import audit_events_page
 
     with open_session(args) as session:
-        page = tenancy.audit_events_page(
+        page = audit_events_page(
             session, tenant=args.tenant, target_type=args.target_type, cursor=args.cursor, limit=args.limit
         )
         rows = [audit_event_row(e) for e in page.items]
@@ -353,17 +353,17 @@ def parse_expiry(value: str) -> datetime | None:
 
 
 def cmd_deployments_create(args: argparse.Namespace) -> None:
-    from tessera import tenancy
+    from tessera import deployments
 
     with open_session(args) as session:
-        deployment = tenancy.create_deployment(
+        deployment = deployments.create_deployment(
             session,
             {"name": args.name, **deployment_changes(args)},
             actor=cli_actor(),
             check_checkpoint_files=args.check_checkpoint,
         )
         emit_deployment(
-            args, deployment, tenancy.deployment_audit(session, args.name, limit=1), "Deployment created"
+            args, deployment, deployments.deployment_audit(session, args.name, limit=1), "Deployment created"
         )
 
 
@@ -380,26 +380,26 @@ LIST_COLUMNS = (
 
 
 def cmd_deployments_list(args: argparse.Namespace) -> None:
-    from tessera import tenancy
+    from tessera import deployments
 
     with open_session(args) as session:
-        rows = [deployment_row(d) for d in tenancy.list_deployments(session)]
+        rows = [deployment_row(d) for d in deployments.list_deployments(session)]
     if not args.json:
         rows = [{k: row[k] for k in LIST_COLUMNS} for row in rows]
     emit(args, rows, title="Deployments")
 
 
 def cmd_deployments_show(args: argparse.Namespace) -> None:
-    from tessera import tenancy
+    from tessera import deployments
 
     with open_session(args) as session:
-        deployment = tenancy.get_deployment(session, args.name)
-        audit = tenancy.deployment_audit(session, args.name, limit=args.audit)
+        deployment = deployments.get_deployment(session, args.name)
+        audit = deployments.deployment_audit(session, args.name, limit=args.audit)
         emit_deployment(args, deployment, audit, title=f"Deployment {args.name}")
 
 
 def cmd_deployments_update(args: argparse.Namespace) -> None:
-    from tessera import tenancy
+    from tessera import deployments
 
     changes = deployment_changes(args)
     if not changes:
@@ -408,14 +408,14 @@ def cmd_deployments_update(args: argparse.Namespace) -> None:
             "(`tessera deployments update --help` lists them)"
         )
     with open_session(args) as session:
-        before = tenancy.deployment_config(tenancy.get_deployment(session, args.name))
-        deployment = tenancy.update_deployment(
+        before = deployments.deployment_config(deployments.get_deployment(session, args.name))
+        deployment = deployments.update_deployment(
             session, args.name, changes, actor=cli_actor(), check_checkpoint_files=args.check_checkpoint
         )
-        changed = tenancy.deployment_config(deployment) != before
+        changed = deployments.deployment_config(deployment) != before
         if not changed:
             print("No change: the deployment already has these values.", file=sys.stderr)
-        latest = tenancy.deployment_audit(session, args.name, limit=1) if changed else []
+        latest = deployments.deployment_audit(session, args.name, limit=1) if changed else []
         emit_deployment(args, deployment, latest, title=f"Deployment {args.name}")
 
 
@@ -492,16 +492,16 @@ def database_error(url: str, exc: Exception) -> str:
 
 
 def cli_actor() -> str:
-    from tessera import tenancy
+    from tessera.audit import local_actor
 
-    return tenancy.local_actor()
+    return local_actor()
 
 
 def deployment_changes(args: argparse.Namespace) -> dict[str, Any]:
     """The deployment fields given on the command line (unset flags left no attribute)."""
-    from tessera import tenancy
+    from tessera import deployments
 
-    return {name: getattr(args, name) for name in tenancy.EDITABLE_FIELDS if hasattr(args, name)}
+    return {name: getattr(args, name) for name in deployments.EDITABLE_FIELDS if hasattr(args, name)}
 
 
 def tenant_row(tenant: Tenant) -> dict[str, Any]:
@@ -526,11 +526,11 @@ def key_row(key: ApiKey, tenant: str) -> dict[str, Any]:
 
 
 def deployment_row(deployment: Deployment) -> dict[str, Any]:
-    from tessera import tenancy
+    from tessera import deployments
 
     return {
         "name": deployment.name,
-        **tenancy.deployment_config(deployment).model_dump(exclude={"name"}),
+        **deployments.deployment_config(deployment).model_dump(exclude={"name"}),
         "created_at": deployment.created_at,
         "updated_at": deployment.updated_at,
     }

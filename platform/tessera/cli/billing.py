@@ -105,10 +105,11 @@ def period(value: str) -> str:
 
 def _tenant_id(session: Any, name: str) -> str:
     from tessera import tenancy
+    from tessera.errors import NotFound
 
     try:
         return tenancy.get_tenant(session, name).id
-    except tenancy.NotFound as exc:
+    except NotFound as exc:
         raise CliError(str(exc)) from None
 
 

@@ -93,7 +93,7 @@ def cmd_api(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     import logging
 
-    from tessera import db, tenancy
+    from tessera import db, deployments
     from tessera.settings import get_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -108,7 +108,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
     engine = db.make_engine(settings.database_url)
     try:
         with db.session_factory(engine)() as session:
-            deployment = tenancy.get_deployment(session, args.deployment)
+            deployment = deployments.get_deployment(session, args.deployment)
             if not deployment.enabled:
                 raise ValueError(
                     f"deployment {args.deployment!r} is disabled; enable it with `tessera deployments update`"

@@ -66,7 +66,7 @@ class RequestOutcome(BaseModel):
         return (self.finished_at - self.started_at).total_seconds()
 
     def record(self) -> dict[str, Any]:
-        """This outcome as a ``RequestRecord`` row (for ``tenancy.settle_records``)."""
+        """This outcome as a ``RequestRecord`` row (for ``records.settle_records``)."""
         return {
             "request_id": self.request_id,
             "tenant_id": self.tenant_id,

@@ -17,9 +17,9 @@ from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from billing.streams import GroupConsumer
-from tessera import tenancy
 from tessera.records.outcome import RequestOutcome
 from tessera.records.recorder import OUTCOME_FIELD
+from tessera.records.store import settle_records
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RecordWriter(GroupConsumer[RequestOutcome]):
         if not items:
             return
         with self.sessions() as session:
-            self.written += len(tenancy.settle_records(session, [o.record() for o in items]))
+            self.written += len(settle_records(session, [o.record() for o in items]))
 
     def after_group_created(self) -> None:
         for consumer in self.redis.xinfo_consumers(self.stream, GROUP):
