@@ -41,7 +41,7 @@ def serve(data: Path, port: int, redis_url: str) -> None:
     sys.path[:0] = [str(TREE / "platform"), str(TREE / "tests")]
     from tessera import db, deployments, quota_config, tenancy
     from tessera.app import create_app
-    from tessera.quotas import Limits
+    from tessera.limits import Limits
     from tessera.server import server
     from tessera.settings import Settings
     from test_gateway import FakePools, reply, sync_redis

@@ -9,8 +9,8 @@ import uuid
 import pytest
 from tessera import quota_config, tenancy
 from tessera.errors import Conflict, InvalidConfig
+from tessera.limits import Limits
 from tessera.models import AuditEvent
-from tessera.quotas import Limits
 
 # test_admin_api's fixtures; `name as name` re-exports them to pytest.
 from test_admin_api import admin as admin

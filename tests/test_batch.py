@@ -18,8 +18,8 @@ import uvicorn
 from fastapi.testclient import TestClient
 from tessera import batch, db, deployments, quota_config, tenancy
 from tessera.app import create_app
+from tessera.limits import Limits
 from tessera.models import BatchItem, RequestRecord
-from tessera.quotas import Limits
 from tessera.settings import Settings
 from test_admin_api import migrated_sessions as migrated_sessions
 from test_gateway import FakePools, fail, reply, silent, sync_redis, wait_for

@@ -302,7 +302,7 @@ def test_quotas_set_changes_only_the_named_limits_and_show_lists_key_overrides(m
     assert table.code == 0 and "10000" in table.out and key in table.out
 
     from tessera import quota_config
-    from tessera.quotas import Limits
+    from tessera.limits import Limits
 
     engine = db.make_engine(database_url(tmp_path))
     with db.session_factory(engine)() as session:

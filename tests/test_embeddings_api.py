@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 from tessera import auth, db, deployments, quota_config, records, tenancy
 from tessera.app import create_app
+from tessera.limits import Limits
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
-from tessera.quotas import Limits
 from tessera.settings import Settings
 
 from billing.schema import LedgerEvent

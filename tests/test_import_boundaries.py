@@ -59,6 +59,11 @@ BREACHES = {
         "import gpu_workers.kv.cache\n",
         LAYERS,
     ),
+    "request records import the quota configuration": (
+        "platform/tessera/records/_probe.py",
+        "import tessera.quota_config\n",
+        "Control-plane services",
+    ),
     "the serving path imports an offline tool": (
         "gpu_workers/engine/_probe.py",
         "import gpu_workers.tools.faults\n",

@@ -15,7 +15,7 @@ from tessera import db, deployments
 from tessera.api.catalog import Catalog
 from tessera.errors import APIError
 from tessera.loading_cache import LoadingCache
-from tessera.quota_config import PriceCache
+from tessera.pricing import PriceCache
 
 import billing
 from billing import PriceSpec

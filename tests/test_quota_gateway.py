@@ -25,7 +25,8 @@ from fastapi.testclient import TestClient
 from tessera import db, deployments, quota_config, quotas, tenancy
 from tessera.api.inference import in_flight_scope
 from tessera.app import create_app
-from tessera.quotas import Limits, Quotas, Scope
+from tessera.limits import Limits, Scope
+from tessera.quotas import Quotas
 from tessera.settings import Settings
 from test_gateway import FakePools, reply, silent, stack_worker, wait_for
 

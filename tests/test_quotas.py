@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 from redis.asyncio import BlockingConnectionPool, Redis
-from tessera.quotas import Decision, Limits, Quotas, QuotaUnavailable, Scope, Window, duration
+from tessera.limits import Decision, Limits, Scope, Window, duration
+from tessera.quotas import Quotas, QuotaUnavailable
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

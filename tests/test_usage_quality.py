@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, func, select
 from tessera import auth, db, deployments, quota_config, tenancy
 from tessera.app import create_app
+from tessera.limits import Limits
 from tessera.models import SCOPE_ADMIN
-from tessera.quotas import Limits
 from tessera.settings import Settings
 
 import billing

@@ -23,8 +23,8 @@ import httpx
 import pytest
 import redis
 from tessera import SHIPPED_MODEL_DIR, db, deployments, quota_config, tenancy
+from tessera.limits import Limits
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
-from tessera.quotas import Limits
 
 import billing
 from gpu_workers.protocol import WorkerInfo, worker_queue, workers_key

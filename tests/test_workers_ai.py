@@ -9,10 +9,10 @@ import uuid
 import httpx
 import pytest
 from tessera import quota_config, tenancy
+from tessera.limits import Limits
 
 # test_gateway's app fixture and the Redis it runs on; `name as name` re-exports them to pytest.
 from tessera.models import RequestRecord
-from tessera.quotas import Limits
 from test_gateway import fail, reply, sse_payloads, wait_for
 from test_gateway import gw as gw
 from test_gateway import redis_url as redis_url

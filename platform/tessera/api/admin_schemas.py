@@ -9,8 +9,8 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from tessera.deployments import DeploymentConfig, Dtype, KVFormat, Mode, WeightFormat, deployment_config
+from tessera.limits import Limits
 from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
-from tessera.quotas import Limits
 
 T = TypeVar("T")
 

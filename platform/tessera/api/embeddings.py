@@ -40,7 +40,7 @@ from tessera.api.inference import (
 from tessera.api.schemas import Text, _Strict
 from tessera.errors import APIError
 from tessera.models import utcnow
-from tessera.quota_config import charge
+from tessera.pricing import charge
 
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
 POOL = "serve"  # an embedding deployment's one pool (gpu_workers.pools.embed)

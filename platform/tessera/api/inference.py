@@ -39,9 +39,11 @@ from tessera.api.schemas import ChatCompletionRequest, CompletionRequest, Genera
 from tessera.api.structured import response_grammar
 from tessera.choices import choice_events, choice_seed, collect_choices, combined
 from tessera.errors import APIError
+from tessera.limits import Decision, Limits, Scope
 from tessera.models import utcnow
-from tessera.quota_config import PriceCache, PriceVersion, QuotaLookup, charge, max_cost
-from tessera.quotas import Decision, Held, Limits, Quotas, QuotaUnavailable, Scope
+from tessera.pricing import PriceCache, PriceVersion, charge, max_cost
+from tessera.quota_config import QuotaLookup
+from tessera.quotas import Held, Quotas, QuotaUnavailable
 from tessera.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -164,7 +164,7 @@ def serving(redis_url: str | None) -> Iterator[Stack]:
     """Start the stand-in worker, the gateway and the bare app in a temporary data dir; stop them after."""
     from gpu_workers.protocol import connect_redis
     from tessera import db, deployments, quota_config, tenancy
-    from tessera.quotas import Limits
+    from tessera.limits import Limits
     from tessera.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="tessera-bench-gateway-") as tmp, contextlib.ExitStack() as stack:

@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera.cli.admin import emit, open_session
 from tessera.cli.common import CliError
-from tessera.quotas import LIMITS, Limits
+from tessera.limits import LIMITS, Limits
 
 UNLIMITED = ("none", "unlimited")
 _HELP = {
