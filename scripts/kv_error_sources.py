@@ -31,6 +31,7 @@ from gpu_workers.formats.kv_int8 import (
     quantize_int8_entries,
     rotation_block,
 )
+from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.kv import KVCache
 from gpu_workers.kv.scales import KVScales
 from gpu_workers.kv.transfer import FP8, KVBlock, for_cache
@@ -87,13 +88,21 @@ def int8_entries(x):
     return dequantize_int8_entries(quantize_int8_entries(x), torch.float32)
 
 
+def rotate(q, k, rotary):
+    """q and k as the cache sees them: rotated by the layer's rotary tables when it hands them over."""
+    if rotary is None:
+        return q, k
+    return apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+
+
 class Quantising:
     """An attention backend that passes K and V through transforms on their way into the cache."""
 
     def __init__(self, inner, k: Transform | None, v: Transform | None, layer: int | None = None):
         self.inner, self.k, self.v, self.layer = inner, k, v, layer
 
-    def __call__(self, layer, q, k, v, scale, sliding_window=None):
+    def __call__(self, layer, q, k, v, scale, sliding_window=None, rotary=None):
+        q, k = rotate(q, k, rotary)
         if self.layer is None or layer == self.layer:
             k = self.k(k.float()).to(k.dtype) if self.k else k
             v = self.v(v.float()).to(v.dtype) if self.v else v
@@ -104,7 +113,8 @@ class Recording:
     def __init__(self, inner, store: dict):
         self.inner, self.store = inner, store
 
-    def __call__(self, layer, q, k, v, scale, sliding_window=None):
+    def __call__(self, layer, q, k, v, scale, sliding_window=None, rotary=None):
+        q, k = rotate(q, k, rotary)
         self.store[layer] = tuple(x.detach().float().clone() for x in (q, k, v)) + (scale,)
         return self.inner(layer, q, k, v, scale, sliding_window)
 

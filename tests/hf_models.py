@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention
+from gpu_workers.kv import AttentionMetadata, KVCache
+from gpu_workers.model.attention import PagedAttention
 
 # Small enough to build and run in milliseconds; GQA (4 query heads share 2 KV heads) everywhere.
 BASE = dict(

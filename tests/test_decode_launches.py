@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from gpu_workers.checkpoint import ModelConfig  # noqa: E402
-from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention  # noqa: E402
+from gpu_workers.kv import AttentionMetadata, KVCache  # noqa: E402
+from gpu_workers.model.attention import PagedAttention  # noqa: E402
 from gpu_workers.model.llama import LlamaForCausalLM  # noqa: E402
 
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}

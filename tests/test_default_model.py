@@ -20,7 +20,8 @@ from tessera import installed_smollm2
 from tessera.launcher import CHAT_MODEL, TRY_QUESTION
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
-from gpu_workers.kv import AttentionMetadata, PagedAttention
+from gpu_workers.kv import AttentionMetadata
+from gpu_workers.model.attention import PagedAttention
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "pycode-tiny"

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig
-from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention
+from gpu_workers.kv import AttentionMetadata, KVCache
 from gpu_workers.model import load_model
+from gpu_workers.model.attention import PagedAttention
 from gpu_workers.quant.linear import Fp8Linear, Int4Linear
 
 

@@ -301,8 +301,8 @@ def test_a_decode_step_in_one_cpu_call_equals_rotate_write_then_attend(
     import gpu_workers.kernels.paged_attention_cpu as cpu
     from gpu_workers.checkpoint import RopeConfig
     from gpu_workers.kernels.rotary import apply_rotary
-    from gpu_workers.kv import PagedAttention
     from gpu_workers.kv.scales import KVScales
+    from gpu_workers.model.attention import PagedAttention
     from gpu_workers.model.rotary import RotaryEmbedding
 
     monkeypatch.setenv("TESSERA_KERNELS", "auto")

@@ -30,7 +30,8 @@ from gpu_workers.kernels import (  # noqa: E402
     paged_attention_triton,  # noqa: E402
     rms_norm_triton,
 )
-from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention  # noqa: E402
+from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
+from gpu_workers.model.attention import PagedAttention  # noqa: E402
 
 TRITON_TYPES = {
     torch.bfloat16: "bf16",

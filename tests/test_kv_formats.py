@@ -17,9 +17,10 @@ from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.engine.runner import forward_sequence
 from gpu_workers.formats.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_scale_pow2
 from gpu_workers.formats.kv_int8 import dequantize_int8_entries, hadamard, quantize_int8_entries
-from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec, PagedAttention
+from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec
 from gpu_workers.kv.scales import KVScales
 from gpu_workers.model import load_model
+from gpu_workers.model.attention import PagedAttention
 from gpu_workers.tokenizer import load_tokenizer
 from gpu_workers.tools.calibrate import measure_kv_amax
 from gpu_workers.tools.eval.heldout import heldout_texts

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 
 from gpu_workers.engine.scheduler import ScheduledBatch
-from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention
-from gpu_workers.kv.attention import DecodeRows
+from gpu_workers.kv import AttentionMetadata, KVCache
 from gpu_workers.kv.cache import WriteSpans
+from gpu_workers.kv.metadata import DecodeRows
+from gpu_workers.model.attention import PagedAttention
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

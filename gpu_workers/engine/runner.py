@@ -9,7 +9,8 @@ import torch
 
 from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.engine.scheduler import ScheduledBatch
-from gpu_workers.kv import AttentionMetadata, KVCache, PagedAttention
+from gpu_workers.kv import AttentionMetadata, KVCache
+from gpu_workers.model.attention import PagedAttention
 
 
 class ModelRunner:
@@ -79,7 +80,8 @@ def forward_sequence(
     The one paged forward behind calibration, the quantisation quality check and the eval scorer: every
     attention read, including a chunk's own tokens, goes through ``cache`` in its KV format, exactly as
     when serving. Chunks of ``chunk_size`` tokens (the whole sequence when None) make later chunks read
-    the cache; ``wrap`` wraps each chunk's attention backend (calibration records K/V maxima with it).
+    the cache; ``wrap`` wraps each chunk's attention (scripts/kv_error_sources.py records and transforms
+    K/V with it).
     """
     device = cache.k.device
     step = chunk_size or len(token_ids)

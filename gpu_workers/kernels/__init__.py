@@ -2,7 +2,8 @@
 
 ``name.py`` holds the reference and the function callers use; ``name_triton.py`` the Triton kernel with the
 same signature, imported only when it runs; ``name_cpu.py`` a numba kernel for the CPU where one pays.
-``use_triton`` picks the Triton kernels on CUDA tensors, ``use_cpu_kernels`` the numba ones on CPU tensors.
+``backend`` names what work on a device runs ("triton" on CUDA tensors, "cpu": the numba kernels on CPU
+tensors, else "reference"); ``use_triton`` and ``use_cpu_kernels`` are its two questions.
 ``TESSERA_KERNELS=reference`` forces the references everywhere; ``TESSERA_KERNELS=triton`` forces the
 Triton kernels (on CPU that needs ``TRITON_INTERPRET=1``: how the tests run them).
 """
@@ -40,6 +41,15 @@ def use_triton(device: torch.device) -> bool:
 def use_cpu_kernels(device: torch.device) -> bool:
     """Whether work on ``device`` runs the numba CPU kernels (``TESSERA_KERNELS=auto`` on a CPU tensor)."""
     return device.type == "cpu" and kernel_mode() == "auto" and find_spec("numba") is not None
+
+
+def backend(device: torch.device) -> str:
+    """The kernels work on ``device`` runs: "triton", "cpu" (numba) or "reference" (torch)."""
+    if use_triton(device):
+        return "triton"
+    if use_cpu_kernels(device):
+        return "cpu"
+    return "reference"
 
 
 def interpreted() -> bool:

@@ -1,7 +1,7 @@
 """Paged attention: queries attending to cached K/V through page tables; the torch reference and the
 dispatch to the Triton decode kernel, in one place.
 
-``paged_attention`` takes a step's flat queries and ``kv.attention.AttentionMetadata`` (decode rows with
+``paged_attention`` takes a step's flat queries and ``kv.metadata.AttentionMetadata`` (decode rows with
 their block tables and per-step masks; prefill rows one by one). The reference gathers the whole pages
 a row needs and dequantises only those, with the per-page scales the cache keeps. Where kernels run, the decode rows (one query each)
 go to ``paged_decode_attention`` instead: reference here, kernel in ``paged_attention_triton``, taking

@@ -26,8 +26,9 @@ from torch import nn
 from gpu_workers.checkpoint import ModelConfig, RopeConfig
 from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.kv import KVSpec
+from gpu_workers.model.attention import PagedAttention
 from gpu_workers.model.layers import RMSNorm
-from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM, PreNormLayer
+from gpu_workers.model.llama import DecoderLayer, LlamaForCausalLM
 from gpu_workers.model.moe import feed_forward
 from gpu_workers.model.rotary import inverse_frequencies
 
@@ -122,6 +123,7 @@ class MLAttention(nn.Module):
             mla.v_head_dim,
         )
         self.interleaved = mla.rope_interleave
+        self.q_lora_rank = mla.q_lora_rank
         self.scale = attention_scale(config)
         q_size = config.num_heads * (self.nope + self.rope)
         if mla.q_lora_rank is None:
@@ -155,12 +157,12 @@ class MLAttention(nn.Module):
         return w_uk, w_uv
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
+        if self.q_lora_rank is None:
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self._queries(x)
@@ -180,24 +182,18 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
 
 
-class DeepseekV3DecoderLayer(PreNormLayer):
-    """x += mla(norm(x)); x += mlp(norm(x)), the mlp dense in the first layers and MoE after."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = feed_forward(config, layer_idx)
-
-
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """Same interface as ``LlamaForCausalLM``; the rotary tables cover the rope dims only, and the KV
     entry is the latent one."""
 
     cuda_graph_safe = False  # routing reads expert counts back to the host (moe.py)
 
-    layer_cls = DeepseekV3DecoderLayer
+    @staticmethod
+    def decoder_layer(config: ModelConfig, layer_idx: int) -> DecoderLayer:
+        """x += mla(norm(x)); x += mlp(norm(x)), the mlp dense in the first layers and MoE after."""
+        attention = MLAttention(config, layer_idx)
+        return DecoderLayer(config, attention, feed_forward(config, layer_idx))
+
     # The latent option of an FP8 KV cache: False quantises the whole entry under the page scale; True
     # keeps the rope key in bf16 (the published FP8 MLA layout). Set it before the engine is built.
     kv_rope_bf16: bool = False

@@ -14,9 +14,10 @@ from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.kernels.rotary import apply_rotary
+from gpu_workers.model.attention import PagedAttention
 from gpu_workers.model.deepseek_v3 import ScaledRotary
 from gpu_workers.model.layers import RMSNorm, concat_linears
-from gpu_workers.model.llama import AttentionBackend, LlamaForCausalLM, PreNormLayer
+from gpu_workers.model.llama import DecoderLayer, LlamaForCausalLM
 from gpu_workers.model.moe import feed_forward
 
 
@@ -57,7 +58,7 @@ class GlmAttention(nn.Module):
         return torch.cat((apply_rotary(rotated, cos, sin), passed), dim=-1)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv_proj is not None:
@@ -79,23 +80,16 @@ class GlmAttention(nn.Module):
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
 
-class Glm4MoeDecoderLayer(PreNormLayer):
-    """x += attn(norm(x)); x += mlp(norm(x)), the mlp dense in the first layers and MoE after."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = GlmAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = feed_forward(config, layer_idx)
-
-
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     """Same interface and KV entry as ``LlamaForCausalLM``; the rotary tables cover the rotated dims only."""
 
     cuda_graph_safe = False  # routing reads expert counts back to the host (moe.py)
 
-    layer_cls = Glm4MoeDecoderLayer
+    @staticmethod
+    def decoder_layer(config: ModelConfig, layer_idx: int) -> DecoderLayer:
+        """x += attn(norm(x)); x += mlp(norm(x)), the mlp dense in the first layers and MoE after."""
+        attention = GlmAttention(config, layer_idx)
+        return DecoderLayer(config, attention, feed_forward(config, layer_idx))
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

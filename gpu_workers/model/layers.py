@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers.kernels.rms_norm import add_rms_norm, rms_norm_reference
+from gpu_workers.quant.linear import Fp8Linear, Int4Linear
 
 
 class RMSNorm(nn.Module):
@@ -30,14 +31,16 @@ class RMSNorm(nn.Module):
 def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
     """One linear whose output is the given linears' outputs side by side, or None when they differ in kind
     (type, bias) or their kind cannot be stacked. Plain ``nn.Linear`` stacks here; a quantised layer class
-    stacks itself through its ``concat`` (its codes and scales stack along the output dimension exactly)."""
+    (``Fp8Linear``, ``Int4Linear``) stacks itself through its ``concat`` (its codes and scales stack along
+    the output dimension exactly)."""
     kinds = {type(m) for m in linears}
     if None in linears or len(kinds) != 1 or len({m.bias is None for m in linears}) != 1:
         return None
     kind = kinds.pop()
+    if issubclass(kind, Fp8Linear | Int4Linear):
+        return kind.concat(linears)
     if kind is not nn.Linear:
-        concat = getattr(kind, "concat", None)
-        return None if concat is None else concat(linears)
+        return None
     weight = torch.cat([m.weight for m in linears])
     # On the meta device: no memory is initialised for a weight about to be overwritten.
     fused = nn.Linear(

@@ -6,7 +6,7 @@ from ``ModelConfig``. Module names match the checkpoint's tensor names, so weigh
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,31 +14,14 @@ from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
 from gpu_workers.kernels.packed_linear import packed_copy
-from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.kv import KVSpec
+from gpu_workers.model.attention import PagedAttention
 from gpu_workers.model.layers import MLP, RMSNorm, concat_linears
 from gpu_workers.model.rotary import RotaryEmbedding
 
 
-class AttentionBackend(Protocol):
-    """Writes this step's K/V to the cache and attends through it (``gpu_workers.kv.PagedAttention``).
-
-    A backend may also offer ``rotate_and_attend(layer, qkv, cos, sin, heads, kv_heads, scale,
-    sliding_window)``: the same from a fused q/k/v projection, rotation included, or None where it cannot."""
-
-    def __call__(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor: ...
-
-
 class Attention(nn.Module):
-    """Project to q/k/v, rotate q and k by position, attend through the paged cache, project back.
+    """Project to q/k/v, attend through the paged cache (which rotates q and k by position), project back.
 
     ``fuse`` makes the q, k and v projections one matmul once the checkpoint is loaded.
     """
@@ -62,36 +45,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
-        tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        if self.qkv_proj is not None and self.q_norm is None:
-            qkv = self.qkv_proj(x)
-            # A backend that can split, rotate, write and attend in one go (a decode step on the CPU).
-            rotate_and_attend = getattr(attn, "rotate_and_attend", None)
-            o = None
-            if rotate_and_attend is not None:
-                o = rotate_and_attend(
-                    self.layer_idx, qkv, cos, sin, heads, kv_heads, self.scale, self.sliding_window
-                )
-            if o is not None:
-                return self.o_proj(o.reshape(tokens, heads * self.head_dim))
-            # q and k sit side by side in the fused output: rotate them in one go.
-            qk = qkv[:, : (heads + kv_heads) * self.head_dim].view(tokens, heads + kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
-            v = qkv[:, (heads + kv_heads) * self.head_dim :].view(tokens, kv_heads, self.head_dim)
+        tokens = x.shape[0]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
-            if self.qkv_proj is not None:
-                q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = q.view(tokens, heads, self.head_dim)
-            k = k.view(tokens, kv_heads, self.head_dim)
-            v = v.view(tokens, kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = attn(self.layer_idx, q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        o = attn(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=(cos, sin))
         return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
 
     def fuse(self) -> None:
@@ -100,14 +66,19 @@ class Attention(nn.Module):
             self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = fused, None, None, None
 
 
-class PreNormLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """The pre-norm decoder layer every family shares: x += attn(norm(x)); x += ffn(norm(x)), with x carried
     as (last sublayer's output, residual): each add is done by the next norm (``RMSNorm.add_norm``), one
-    kernel with it where Triton runs. A family's layer builds ``input_layernorm``, ``self_attn``,
-    ``post_attention_layernorm`` and its feed-forward (``mlp``, or another name with ``ffn`` overridden)."""
+    kernel with it where Triton runs. A family hands over its attention and feed-forward modules; the
+    feed-forward is registered under its checkpoint's name (``mlp``; Mixtral's ``block_sparse_moe``)."""
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x)
+    def __init__(self, config: ModelConfig, attention: nn.Module, ffn: nn.Module, ffn_name: str = "mlp"):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.add_module(ffn_name, ffn)
+        self.ffn_name = ffn_name
 
     def forward(
         self,
@@ -115,35 +86,24 @@ class PreNormLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionBackend,
+        attn: PagedAttention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.add_norm(x, residual)
         x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, cos, sin, attn), residual)
-        return self.ffn(x), residual
-
-
-class DecoderLayer(PreNormLayer):
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        return self._modules[self.ffn_name](x), residual
 
 
 class DecoderStack(nn.Module):
     """Token embedding, the decoder layers and the final norm (HF's ``model.*`` tensors)."""
 
-    def __init__(self, config: ModelConfig, layer_cls: type[nn.Module]):
+    def __init__(self, config: ModelConfig, layer: Callable[[ModelConfig, int], DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
@@ -158,7 +118,6 @@ class LlamaForCausalLM(nn.Module):
     ``input_ids`` and ``positions`` are the flat batch [T] of every scheduled sequence's new tokens.
     """
 
-    layer_cls: type[nn.Module] = DecoderLayer
     # A forward with no host sync and shapes fixed by its inputs' shapes: a decode step can be captured
     # as a CUDA graph (engine/graphs.py). MoE layers read expert counts back to the host: not safe.
     cuda_graph_safe: bool = True
@@ -166,12 +125,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, self.layer_cls)
+        self.model = DecoderStack(config, self.decoder_layer)
         # Tied checkpoints reuse the embedding as the output projection and store no lm_head.weight.
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @staticmethod
+    def decoder_layer(config: ModelConfig, layer_idx: int) -> DecoderLayer:
+        """Layer ``layer_idx`` of this family: its attention and feed-forward in the shared layer."""
+        attention = Attention(config, layer_idx)
+        return DecoderLayer(
+            config, attention, MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         )
 
     @classmethod
@@ -184,9 +151,7 @@ class LlamaForCausalLM(nn.Module):
     def kv_spec(self) -> KVSpec:
         return self.cache_entry(self.config)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
         return self.model(input_ids, positions, attn)
 
     def fuse_projections(self) -> None:

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
-from gpu_workers.model.layers import RMSNorm
-from gpu_workers.model.llama import Attention, LlamaForCausalLM, PreNormLayer
+from gpu_workers.model.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 
 class Expert(nn.Module):
@@ -55,23 +54,13 @@ class SparseMoE(nn.Module):
         return out
 
 
-class MixtralDecoderLayer(PreNormLayer):
-    """x += attn(norm(x)); x += moe(norm(x))."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.block_sparse_moe = SparseMoE(config)
-
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x)
-
-
 class MixtralForCausalLM(LlamaForCausalLM):
     """Same interface as ``LlamaForCausalLM``; only the feed-forward differs."""
 
     cuda_graph_safe = False  # routing reads expert counts back to the host (moe.py)
 
-    layer_cls = MixtralDecoderLayer
+    @staticmethod
+    def decoder_layer(config: ModelConfig, layer_idx: int) -> DecoderLayer:
+        """x += attn(norm(x)); x += moe(norm(x)), the experts under Mixtral's ``block_sparse_moe``."""
+        attention = Attention(config, layer_idx)
+        return DecoderLayer(config, attention, SparseMoE(config), ffn_name="block_sparse_moe")

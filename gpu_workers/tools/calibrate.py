@@ -1,7 +1,7 @@
 """Static FP8 KV scales: run a model over sample text, record each layer's K and V amax, save amax / 448.
 
-The model runs through the same paged attention it serves with (an unquantised cache), so K is observed
-after RoPE and any q/k norm, exactly as it is written to the cache. Text is cut into windows that start
+The model runs through the same paged attention it serves with into an unquantised cache, and K and V are
+read back from it: K after RoPE and any q/k norm, exactly as it is written. Text is cut into windows that start
 at position 0, at most ``window`` tokens each.
 """
 
@@ -15,27 +15,12 @@ import torch
 from rich.progress import Progress
 
 from gpu_workers.engine.runner import forward_sequence, sequence_cache
-from gpu_workers.kv.attention import PagedAttention
 from gpu_workers.kv.scales import KVScales
 
 # Default sample text: Python source that ships with every interpreter (and is not the demo tokenizer's
 # training text), so calibration runs offline and the same on every machine with the same Python.
 DEFAULT_SAMPLE_FILES = ("difflib.py", "pprint.py", "shlex.py", "ast.py")
 PAGE_SIZE = 16
-
-
-class _AmaxRecorder:
-    """An attention backend that records |K| and |V| maxima per layer, then attends as usual."""
-
-    def __init__(self, inner: PagedAttention, k_amax: torch.Tensor, v_amax: torch.Tensor):
-        self.inner = inner
-        self.k_amax = k_amax
-        self.v_amax = v_amax
-
-    def __call__(self, layer, q, k, v, scale, sliding_window=None):
-        self.k_amax[layer] = torch.maximum(self.k_amax[layer], k.detach().abs().amax().float())
-        self.v_amax[layer] = torch.maximum(self.v_amax[layer], v.detach().abs().amax().float())
-        return self.inner(layer, q, k, v, scale, sliding_window)
 
 
 @torch.inference_mode()
@@ -59,7 +44,10 @@ def measure_kv_amax(
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("Calibrating KV scales", total=sum(map(len, chunks)))
         for chunk in chunks:
-            forward_sequence(model, cache, pages, chunk, wrap=lambda a: _AmaxRecorder(a, k_amax, v_amax))
+            forward_sequence(model, cache, pages, chunk)
+            for stored, amax in ((cache.k, k_amax), (cache.v, v_amax)):
+                written = stored.view(spec.num_layers, -1, *stored.shape[3:])[:, : len(chunk)]
+                torch.maximum(amax, written.abs().amax(dim=(1, 2, 3)).float(), out=amax)
             tokens += len(chunk)
             bar.advance(task, len(chunk))
     if tokens == 0:

@@ -1,5 +1,5 @@
-"""What a model layer's attention reads through during one step: per-step metadata built from page tables,
-and ``PagedAttention``, which writes the new K/V into the cache and attends (``kernels.paged_attention``).
+"""What a model layer's attention reads through during one step: where the step's new tokens go in the
+cache and which pages each sequence attends to, built from page tables (``model.attention`` reads it).
 
 One step packs the new tokens of every scheduled sequence into a flat batch of T tokens. Sequence i
 contributes ``query_lens[i]`` tokens, the last ones of its ``context_lens[i]`` cached tokens (prefill
@@ -16,16 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_workers.kernels import use_cpu_kernels, use_triton
-from gpu_workers.kernels.kv_write import rotate_write_kv
-from gpu_workers.kernels.paged_attention import paged_attention
-from gpu_workers.kv.cache import KVCache, WriteSpans
+from gpu_workers.kv.cache import WriteSpans
 
 # Decode rows gathered together are padded to the longest; rows sorted by length and split into a few
 # groups of at least this many pad far less, for one more attention call per group.
 DECODE_GROUPS, MIN_GROUP_ROWS = 4, 8
-# What the CPU decode kernel reads: FP8 bits, INT8 entries, BF16, fp32.
-_KERNEL_STORED = (torch.uint8, torch.int8, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -222,114 +217,3 @@ def _tensor(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
 
 def _on_cpu(device: torch.device | str) -> bool:
     return device == "cpu" or torch.device(device).type == "cpu"
-
-
-class PagedAttention:
-    """The attention a model layer calls during one step: write the new K/V, then attend through pages.
-
-    A decode-only step on the CPU kernels does both in one kernel call per layer
-    (``paged_attention_cpu.write_and_decode_cpu``); every other step writes, then attends."""
-
-    def __init__(self, cache: KVCache, meta: AttentionMetadata):
-        self.cache = cache
-        self.meta = meta
-        self._decode_step = _cpu_decode_step(cache, meta)
-        # The step's cos tensor and its rotary tables as arrays: every layer gets the same ones.
-        self._rotary: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
-
-    def _one_call(self, dtype: torch.dtype) -> bool:
-        """Whether this layer's write and attention run as one CPU kernel call: a decode-only step the
-        kernel serves, with new K/V it can store (quantised, or already in the cache's dtype)."""
-        return self._decode_step is not None and (self.cache.quantized or dtype == self.cache.dtype)
-
-    def _rotates_in_write(self, qkv: torch.Tensor) -> bool:
-        """Whether the Triton kernels split, rotate and write q/k/v in one launch (``kernels.kv_write.
-        rotate_write_kv``): K and V of whole entries, unquantised or INT8 (FP8 pages open with scales)."""
-        cache = self.cache
-        return use_triton(qkv.device) and cache.spec.tensors == 2 and not cache.page_scaled and not cache.tail
-
-    def rotate_and_attend(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        heads: int,
-        kv_heads: int,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor | None:
-        """From a fused q/k/v projection [T, (heads + 2 kv_heads) * dim]: rotate q and k by ``cos``/``sin``
-        [T, dim] (``kernels.rotary.apply_rotary``), then ``self(...)``: on the Triton kernels the split,
-        rotation and write in one launch, then the attention; in one kernel call where a decode-only step on
-        the CPU kernels allows it; None where neither does (the caller then rotates and calls)."""
-        dim = cos.shape[1]
-        if qkv.dtype != cos.dtype or not qkv.is_contiguous() or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
-            return None
-        if self._rotates_in_write(qkv):
-            k_slots, v_slots = self.cache.layer(layer)
-            q = rotate_write_kv(
-                qkv, cos, sin, heads, kv_heads, k_slots, v_slots, self.meta.slot_mapping, self.cache.key_block
-            )
-            scale /= self.cache.key_block  # queries read INT8 keys rotated alike (KVCache.queries)
-            return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window)
-        if not self._one_call(qkv.dtype):
-            return None
-        from gpu_workers.kernels.paged_attention_cpu import host_array, rotate_write_and_decode_cpu
-
-        if self._rotary is None or self._rotary[0] is not cos:
-            self._rotary = (cos, host_array(cos.contiguous()), host_array(sin.contiguous()))
-        _, cos_array, sin_array = self._rotary
-        return rotate_write_and_decode_cpu(
-            qkv,
-            cos_array,
-            sin_array,
-            heads,
-            kv_heads,
-            self.cache.host_layer(layer),
-            self._decode_step,
-            scale,
-            sliding_window,
-        )
-
-    def __call__(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        if self._one_call(k.dtype):
-            from gpu_workers.kernels.paged_attention_cpu import write_and_decode_cpu
-
-            layer_arrays = self.cache.host_layer(layer)
-            return write_and_decode_cpu(q, k, v, layer_arrays, self._decode_step, scale, sliding_window)
-        self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
-        q, scale = self.cache.queries(q, scale)
-        k_slots, v_slots = self.cache.layer(layer)
-        k_scale, v_scale = self.cache.layer_scales(layer)
-        return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)
-
-
-def _cpu_decode_step(cache: KVCache, meta: AttentionMetadata):
-    """The step's rows for ``write_and_decode_cpu`` (``paged_attention_cpu.DecodeStep``) when it serves this
-    step: decode rows only, on the CPU kernels, K and V stored whole-entry (no bf16 tail) in a format the
-    kernel reads; else None."""
-    decode = meta.decode
-    if decode is None or meta.prefill or meta.spans is None or cache.spec.tensors != 2 or cache.tail:
-        return None
-    if not use_cpu_kernels(meta.slot_mapping.device) or cache.k.dtype not in _KERNEL_STORED:
-        return None
-    from gpu_workers.kernels.paged_attention_cpu import DecodeStep
-
-    tables, lens = decode.int32_tables()
-    return DecodeStep(
-        meta.slot_mapping.numpy(),
-        meta.spans.token_seq.numpy(),
-        meta.spans.prev_page.numpy(),
-        tables.numpy(),
-        lens.numpy(),
-        meta.page_size,
-    )
