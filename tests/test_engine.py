@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
+from gpu_workers.engine import admission as engine_module
 from gpu_workers.engine import detokenizer
-from gpu_workers.engine import engine as engine_module
 from gpu_workers.engine.failures import MAX_CONSECUTIVE_FAILED_STEPS
 from gpu_workers.kv.transfer import KVBlock
 from tests.model_faults import DEVICE_ERROR, FaultyModel, device_error, wait_for

@@ -1,9 +1,15 @@
-"""Admission checks: what makes a request servable by this engine, with errors a caller can act on."""
+"""Admission: what makes a request servable by this engine, with errors a caller can act on, and the
+sequence an admitted request becomes."""
 
 from __future__ import annotations
 
-from gpu_workers.engine.params import InvalidRequest, SamplingParams
-from gpu_workers.kv.transfer import KV_FORMATS
+import torch
+
+from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.engine.grammar import Grammars
+from gpu_workers.engine.params import InvalidRequest, RequestError, SamplingParams
+from gpu_workers.engine.sequence import Sequence, Status
+from gpu_workers.kv.transfer import KV_FORMATS, KVBlock
 
 Prompt = str | list[int]
 
@@ -95,3 +101,63 @@ def max_tokens(prompt_len: int, params: SamplingParams, context: int, capacity: 
             f"{capacity} tokens; set max_tokens to at most {capacity - prompt_len} or raise kv_budget_bytes",
         )
     return params.max_tokens
+
+
+def prepare(
+    seq: Sequence,
+    prompt: Prompt,
+    tokenizer,
+    vocab_size: int,
+    context: int,
+    capacity: int,
+    export_kv: str | None,
+    kv_import: KVBlock | None,
+    streamed_output: int,
+) -> None:
+    """Validate a request and fill in its sequence: prompt ids, output limit, hand-off fields, seeded
+    generator and detokeniser. Raises InvalidRequest."""
+    params = seq.params
+    seq.prompt_ids = prompt_ids(prompt, tokenizer, vocab_size)
+    seq.max_tokens = check(
+        seq.prompt_ids,
+        params,
+        context,
+        capacity,
+        has_tokenizer=tokenizer is not None,
+        export_kv=export_kv,
+        kv_import_tokens=None if kv_import is None else kv_import.num_tokens,
+    )
+    if not 0 <= streamed_output < len(seq.prompt_ids):
+        raise InvalidRequest(
+            "invalid_streamed_output",
+            f"streamed_output counts prompt ids already streamed: 0 to {len(seq.prompt_ids) - 1}, "
+            f"got {streamed_output}",
+        )
+    seq.export_kv, seq.kv_import, seq.streamed_output = export_kv, kv_import, streamed_output
+    if params.seed is not None:
+        seq.generator = torch.Generator()
+    if tokenizer is not None:
+        context_ids = len(seq.prompt_ids) - streamed_output
+        seq.detokenizer = IncrementalDetokenizer(
+            tokenizer, stop=params.stop, prompt_ids=seq.prompt_ids[:context_ids]
+        )
+        seq.detokenizer.push(seq.prompt_ids[context_ids:])  # streamed already: only its held-back text stays
+
+
+def matcher(grammars: Grammars, tokenizer, grammar, prompt: Prompt, streamed_output: int):
+    """The grammar's matcher, advanced over the output an earlier phase generated (the prompt's last
+    ``streamed_output`` ids): a request handed from prefill to decode continues its grammar's state."""
+    if tokenizer is None:
+        raise InvalidRequest(
+            "grammar_needs_tokenizer", "this model has no tokenizer, so it cannot follow a grammar"
+        )
+    ids = prompt if isinstance(prompt, list) else []
+    return grammars.matcher(grammar, ids[len(ids) - streamed_output :] if streamed_output else [])
+
+
+def refuse(seq: Sequence, error: RequestError) -> None:
+    """End a request that was never queued, with ``error``."""
+    seq.status = Status.FINISHED
+    seq.finish_reason = "error"
+    seq.error = error
+    seq.emit([], "")

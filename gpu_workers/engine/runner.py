@@ -1,16 +1,22 @@
-"""Owns the model and the KV tensors; turns a scheduled batch into next-token logits. Also the single-sequence
-paged forward the offline tools share."""
+"""Owns the model and the KV tensors; turns a scheduled batch into next-token logits. Also the engine's
+model loading and KV allocation, and the single-sequence paged forward the offline tools share."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from gpu_workers.engine.graphs import DecodeGraphs
+from gpu_workers.engine.params import EngineConfig
 from gpu_workers.engine.scheduler import ScheduledBatch
-from gpu_workers.kv import AttentionMetadata, KVCache
+from gpu_workers.kernels.packed_linear import pack_linears
+from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec
 from gpu_workers.model.attention import PagedAttention
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -57,6 +63,50 @@ class ModelRunner:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
         logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
         return last_rows, logits.float().cpu()
+
+
+def load_for_serving(path: str | Path, config: EngineConfig, progress: bool = False) -> torch.nn.Module:
+    """A checkpoint's model as the engine serves it: projections fused; on the CPU, linears packed for
+    oneDNN and a tied output projection given its own packed copy of the embedding."""
+    from gpu_workers.model import load_model
+
+    model = load_model(
+        path, dtype=config.torch_dtype, device=config.device, progress=progress, weights=config.weights
+    )
+    model.fuse_projections()
+    if config.device == "cpu":
+        pack_linears(model)
+        if model.pack_tied_output():
+            weight = model.model.embed_tokens.weight
+            log.info(
+                "the tied output projection runs on a packed copy of the embedding (%.1f MiB more)",
+                weight.numel() * weight.element_size() / 2**20,
+            )
+    return model
+
+
+def build_cache(spec: KVSpec, config: EngineConfig) -> tuple[KVCache, int]:
+    """The engine's KV tensors in ``config.kv_budget_bytes``, and how many of their pages sequences may use."""
+    num_pages = KVCache.pages_for_budget(spec, config.kv_budget_bytes, config.page_size, config.kv_dtype)
+    if num_pages < 1:
+        page_bytes = KVCache.page_bytes(spec, config.page_size, config.kv_dtype)
+        raise ValueError(
+            f"kv_budget_bytes={config.kv_budget_bytes} holds no KV page: one page of {config.page_size} "
+            f"tokens takes {page_bytes} bytes for this model; raise the budget or lower page_size"
+        )
+    cache = KVCache(spec, num_pages, config.page_size, config.kv_dtype, config.device, config.kv_scales)
+    # The last page may be kept aside as a scratch page, never handed to a sequence: CUDA graphs' padded
+    # rows write there, and with it FP8 pages with dynamic scales open without a masked write, which on a
+    # GPU reads the mask's count back to the host (a sync per layer and tensor, every step).
+    if config.cuda_graphs or (cache.opens_pages and torch.device(config.device).type == "cuda"):
+        if num_pages < 2:
+            raise ValueError(
+                f"kv_budget_bytes={config.kv_budget_bytes} holds one KV page; this engine keeps one aside "
+                "(CUDA graphs' padded rows, FP8 pages opened without a host sync): raise the budget"
+            )
+        num_pages -= 1
+        cache.scratch_page = num_pages
+    return cache, num_pages
 
 
 def sequence_cache(model: torch.nn.Module, num_tokens: int, page_size: int = 16) -> tuple[KVCache, list[int]]:

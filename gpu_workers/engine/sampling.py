@@ -1,5 +1,6 @@
 """Turn a batch of next-token logits into tokens: repetition penalties, greedy, temperature, top-k, top-p,
-per-request seeds; and the log-probabilities of what was picked."""
+per-request seeds; and the log-probabilities of what was picked. ``sample_rows`` does it all for a step's
+requests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu_workers.engine import sequence
+from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.params import SamplingParams
 from gpu_workers.protocol import LOGPROB_FLOOR, TokenLogprob
 
@@ -180,3 +183,25 @@ def _flat_ids(id_lists: list[Sequence[int]], vocab: int) -> tuple[torch.Tensor, 
     rows = torch.repeat_interleave(torch.arange(len(id_lists)), torch.tensor(lengths))
     valid = (ids >= 0) & (ids < vocab)
     return rows[valid], ids[valid]
+
+
+def sample_rows(
+    logits: torch.Tensor, seqs: list[sequence.Sequence], grammars: Grammars, default: torch.Generator
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The next token of each request (a row of ``logits``) and its logprob: grammar masks, penalties, then
+    sampling. A seeded request draws from a generator keyed by (seed, position of the token being sampled),
+    so its tokens do not depend on batching, preemption, or which pool sampled the earlier ones; the others
+    from ``default``."""
+    params = [s.params for s in seqs]
+    logits = grammars.mask(logits, [s.matcher for s in seqs])
+    logits = apply_penalties(
+        logits, params, [s.history() if s.params.has_penalties else ((), ()) for s in seqs]
+    )
+    generators = [
+        default
+        if s.generator is None
+        else s.generator.manual_seed(position_seed(s.params.seed, s.num_tokens))
+        for s in seqs
+    ]
+    tokens = sample(logits, params, generators)
+    return tokens, token_logprobs(logits, params, tokens)
