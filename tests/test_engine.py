@@ -442,7 +442,7 @@ def test_text_the_tokenizer_cannot_encode_finishes_with_an_error_instead_of_rais
 def test_warm_up_runs_the_decode_kernels_and_leaves_no_trace(tiny_llama_dir, monkeypatch, kv, max_tokens):
     """A worker's warm-up request reaches the CPU decode kernel (when it decodes) and leaves the engine as
     it was: counters, prefix-cache statistics and free pages unchanged, and the same greedy tokens after."""
-    import gpu_workers.kernels.paged_attention_cpu as cpu
+    import gpu_workers.kernels.decode_step_cpu as cpu
 
     calls = []
     kernel = cpu.rotate_write_and_decode_cpu

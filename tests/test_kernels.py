@@ -298,7 +298,7 @@ def test_a_decode_step_in_one_cpu_call_equals_rotate_write_then_attend(
     them over (views into one fused projection output), or from that output with the rotation inside the
     call. Both leave the cache (scales included) and the output bit for bit as the rotation, the write
     and the attention apart do (INT8: the keys' and queries' Hadamard rotation inside the call too)."""
-    import gpu_workers.kernels.paged_attention_cpu as cpu
+    import gpu_workers.kernels.decode_step_cpu as cpu
     from gpu_workers.checkpoint import RopeConfig
     from gpu_workers.kernels.rotary import apply_rotary
     from gpu_workers.kv.scales import KVScales

@@ -103,7 +103,7 @@ class KVCache:
             self.v_scale = _per_page(scales.v_scale if scales else ones, num_pages, device)
             if spec.v_is_k:
                 self.v_scale = self.k_scale
-        # kernels.paged_attention_cpu.CacheLayer per layer, made on first use (host_layer)
+        # kernels.decode_step_cpu.CacheLayer per layer, made on first use (host_layer)
         self._host_layers: list | None = None
         # A page no sequence owns, where a CUDA-graph step's padded rows write (engine/graphs.py) and where a
         # write's tokens that open no FP8 page put their scale; set by the engine that keeps one aside (CUDA
@@ -162,10 +162,10 @@ class KVCache:
         return k, v
 
     def host_layer(self, layer: int):
-        """One layer's slots and scales as the CPU kernels read them (``paged_attention_cpu.CacheLayer``);
+        """One layer's slots and scales as the CPU kernels read them (``decode_step_cpu.CacheLayer``);
         numpy views of this cache's tensors, made once."""
         if self._host_layers is None:
-            from gpu_workers.kernels.paged_attention_cpu import cache_layer
+            from gpu_workers.kernels.decode_step_cpu import cache_layer
 
             self._host_layers = [
                 cache_layer(

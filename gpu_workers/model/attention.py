@@ -26,7 +26,7 @@ class PagedAttention:
 
     The path is chosen here, from the step's backend and the cache's format: on Triton a fused projection's
     split, rotation and K/V write are one launch before the attention; a decode-only step on the CPU
-    kernels writes and attends in one numba call per layer (``paged_attention_cpu``), the rotation
+    kernels writes and attends in one numba call per layer (``decode_step_cpu``), the rotation
     included when q, k and v come from one fused projection; every other step writes, then attends."""
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
@@ -126,7 +126,8 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        from gpu_workers.kernels.paged_attention_cpu import host_array, rotate_write_and_decode_cpu
+        from gpu_workers.kernels.decode_step_cpu import rotate_write_and_decode_cpu
+        from gpu_workers.kernels.paged_attention_cpu import host_array
 
         if self._rotary is None or self._rotary[0] is not cos:
             self._rotary = (cos, host_array(cos.contiguous()), host_array(sin.contiguous()))
@@ -153,7 +154,7 @@ class PagedAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         if self._one_call(k.dtype):
-            from gpu_workers.kernels.paged_attention_cpu import write_and_decode_cpu
+            from gpu_workers.kernels.decode_step_cpu import write_and_decode_cpu
 
             layer_arrays = self.cache.host_layer(layer)
             return write_and_decode_cpu(q, k, v, layer_arrays, self._decode_step, scale, sliding_window)
@@ -184,7 +185,7 @@ def fused_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 
 
 def _cpu_decode_step(cache: KVCache, meta: AttentionMetadata):
-    """The step's rows for ``write_and_decode_cpu`` (``paged_attention_cpu.DecodeStep``) when it serves this
+    """The step's rows for ``write_and_decode_cpu`` (``decode_step_cpu.DecodeStep``) when it serves this
     step: decode rows only, K and V stored whole-entry (no bf16 tail) in a format the kernel reads; else
     None."""
     decode = meta.decode
@@ -192,7 +193,7 @@ def _cpu_decode_step(cache: KVCache, meta: AttentionMetadata):
         return None
     if cache.k.dtype not in _KERNEL_STORED:
         return None
-    from gpu_workers.kernels.paged_attention_cpu import DecodeStep
+    from gpu_workers.kernels.decode_step_cpu import DecodeStep
 
     tables, lens = decode.int32_tables()
     return DecodeStep(

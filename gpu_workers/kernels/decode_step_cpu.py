@@ -1,0 +1,253 @@
+"""A decode-only step's attention on the CPU in one numba call per layer: the new K/V written into the cache
+(FP8 pages opened and quantised, INT8 entries with the keys' Hadamard rotation, or copied as they are), then
+``paged_attention_cpu``'s kernel over the pages; from a fused q/k/v projection, q and k are rotated first in
+the same call. The same results as the write, rotation and attention apart, without their per-call tensor
+handling.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+import torch
+
+from gpu_workers.kernels.kv_write_cpu import _copy, _hadamard, _write, _write_int8
+from gpu_workers.kernels.numba_bits import narrow, widen
+from gpu_workers.kernels.paged_attention_cpu import _HALF_FP8_OFFSET, _decode, _unit_scales, host_array
+
+
+class CacheLayer(NamedTuple):
+    """One layer of a CPU cache as the kernels read it: slots and per-page scales (ones but for FP8)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_scale: np.ndarray
+    v_scale: np.ndarray
+    fp8: bool
+    dynamic: bool  # FP8 pages take their scale when opened (no static scales)
+    int8: bool  # INT8 entries, each with its own scale
+    key_block: int  # INT8 keys are stored Hadamard-rotated in blocks of this size (1: not rotated)
+
+
+class DecodeStep(NamedTuple):
+    """A decode-only step's rows (token i is row i) as the kernels read them."""
+
+    slot_mapping: np.ndarray  # [B] int64
+    token_seq: np.ndarray  # [B] int64
+    prev_page: np.ndarray  # [B] int64
+    tables: np.ndarray  # [B, P] int32
+    lens: np.ndarray  # [B] int32
+    page_size: int
+
+
+def cache_layer(
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    num_pages: int,
+    dynamic: bool,
+    key_block: int = 1,
+) -> CacheLayer:
+    """``CacheLayer`` of one layer's slots [slots, kv_heads, dim] and FP8 page scales [pages] (None for
+    other formats), with ``KVCache.key_block``; the arrays share the tensors' memory, so one is made per
+    layer and kept."""
+    fp8 = k_slots.dtype == torch.uint8
+    scales = (host_array(k_scale), host_array(v_scale)) if fp8 else (_unit_scales(num_pages),) * 2
+    int8 = k_slots.dtype == torch.int8
+    return CacheLayer(host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic, int8, key_block)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _fp8_step(
+    q,
+    k,
+    v,
+    layer_k,
+    layer_v,
+    k_scale,
+    v_scale,
+    step_slots,
+    page_size,
+    token_seq,
+    prev_page,
+    dynamic,
+    tables,
+    lens,
+    scale,
+    window,
+    out,
+):
+    _write(k, layer_k, step_slots, k_scale, page_size, token_seq, prev_page, dynamic)
+    _write(v, layer_v, step_slots, v_scale, page_size, token_seq, prev_page, dynamic)
+    _decode(
+        q,
+        layer_k,
+        layer_v,
+        tables,
+        lens,
+        page_size,
+        scale,
+        window,
+        k_scale,
+        v_scale,
+        _HALF_FP8_OFFSET,
+        False,
+        out,
+    )
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rotated(x, block, rounded):
+    """float32 copy of x [T, heads, dim] times the Hadamard blocks (``_hadamard``); ``rounded``: rounded to
+    x's element type and widened back (queries, as ``KVCache.queries`` hands them to the kernel), else left
+    in float32 (keys, as ``KVCache.write`` quantises them)."""
+    out = np.empty(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            for d in range(x.shape[2]):
+                out[t, h, d] = widen(x[t, h, d])
+    _hadamard(out, block)
+    if rounded:
+        for t in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for d in range(x.shape[2]):
+                    out[t, h, d] = widen(narrow(out[t, h, d], x))
+    return out
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _int8_step(
+    q, k, v, layer_k, layer_v, ones, block, step_slots, page_size, tables, lens, scale, window, out
+):
+    """INT8: keys and queries rotated (``block``; ``scale`` already divided by it), then write and attend."""
+    _write_int8(_rotated(k, block, False), layer_k, step_slots)
+    _write_int8(v, layer_v, step_slots)
+    queries = _rotated(q, block, True)
+    _decode(
+        queries,
+        layer_k,
+        layer_v,
+        tables,
+        lens,
+        page_size,
+        scale,
+        window,
+        ones,
+        ones,
+        np.float32(1.0),
+        True,
+        out,
+    )
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out):
+    _copy(k, layer_k, step_slots)
+    _copy(v, layer_v, step_slots)
+    _decode(
+        q, layer_k, layer_v, tables, lens, page_size, scale, window, ones, ones, np.float32(1.0), False, out
+    )
+
+
+def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window, out) -> None:
+    """Call the FP8, the INT8 or the plain kernel of ``kernels`` with its own leading arguments ``lead``,
+    then the layer's cache, the step's rows and ``out`` (fp32, what the attention writes)."""
+    fp8_kernel, int8_kernel, plain_kernel = kernels
+    rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0, out.numpy())
+    if layer.fp8:
+        cache = (layer.k, layer.v, layer.k_scale, layer.v_scale, step.slot_mapping, step.page_size)
+        fp8_kernel(*lead, *cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
+    elif layer.int8:  # keys and queries rotated inside: the scale divided by the rotation's size
+        block = layer.key_block
+        cache = (layer.k, layer.v, layer.k_scale, block, step.slot_mapping, step.page_size)
+        int8_kernel(*lead, *cache, step.tables, step.lens, np.float32(scale / block), *rows[3:])
+    else:
+        plain_kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
+
+
+def write_and_decode_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: CacheLayer,
+    step: DecodeStep,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """A decode-only step's attention for one layer in one kernel call: ``KVCache.write`` of k, v [B,
+    kv_heads, dim] (FP8 pages opened and quantised as ``write_kv_fp8_cpu`` does, INT8 entries as
+    ``write_kv_int8_cpu`` writes them; unquantised caches take them as they are, so k and v must be in the
+    cache's dtype), then ``paged_decode_attention_cpu`` of q
+    [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    lead = (host_array(q), host_array(k), host_array(v))
+    _run((_fp8_step, _int8_step, _plain_step), lead, layer, step, scale, sliding_window, out)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rotate(qkv, cos, sin, heads, kv_heads):
+    """q [T, heads, dim] and k [T, kv_heads, dim] of a fused projection's output [T, (heads + 2 kv_heads) *
+    dim], rotated as ``kernels.rotary.apply_rotary`` rotates them, in qkv's element type and rounded as
+    torch rounds each of its ops there (x*cos, rotate_half(x)*sin, their sum)."""
+    tokens, dim = qkv.shape[0], cos.shape[1]
+    half = dim // 2
+    q = np.empty((tokens, heads, dim), qkv.dtype)
+    k = np.empty((tokens, kv_heads, dim), qkv.dtype)
+    for t in range(tokens):
+        for h in range(heads + kv_heads):
+            base = h * dim
+            for d in range(dim):
+                turned = -widen(qkv[t, base + d + half]) if d < half else widen(qkv[t, base + d - half])
+                a = widen(narrow(widen(qkv[t, base + d]) * widen(cos[t, d]), qkv))
+                b = widen(narrow(turned * widen(sin[t, d]), qkv))
+                if h < heads:
+                    q[t, h, d] = narrow(a + b, qkv)
+                else:
+                    k[t, h - heads, d] = narrow(a + b, qkv)
+    return q, k
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_fp8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
+    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
+    _fp8_step(q, k, v, *rest)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_int8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
+    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
+    _int8_step(q, k, v, *rest)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_plain_step(qkv, cos, sin, heads, kv_heads, v, *rest):
+    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
+    _plain_step(q, k, v, *rest)
+
+
+def rotate_write_and_decode_cpu(
+    qkv: torch.Tensor,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    heads: int,
+    kv_heads: int,
+    layer: CacheLayer,
+    step: DecodeStep,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``write_and_decode_cpu`` from a fused q/k/v projection's output [B, (heads + 2 kv_heads) * dim], q and
+    k rotated first (``cos``, ``sin`` [B, dim]: ``host_array`` of the rotary tables, in qkv's dtype) exactly
+    as ``kernels.rotary.apply_rotary`` rotates them: the q/k/v split, the rotation, the K/V write and the
+    attention in one kernel call. Returns [B, heads, dim] in qkv's dtype."""
+    tokens, dim = qkv.shape[0], cos.shape[1]
+    packed = host_array(qkv)
+    v = packed[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)  # a view: no copy
+    out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+    lead = (packed, cos, sin, heads, kv_heads, v)
+    _run((_rope_fp8_step, _rope_int8_step, _rope_plain_step), lead, layer, step, scale, sliding_window, out)
+    return out if qkv.dtype == torch.float32 else out.to(qkv.dtype)
