@@ -23,7 +23,7 @@ import uvicorn
 from api_processes import api_processes, free_port
 from fastapi.testclient import TestClient
 from tessera import db, deployments, quota_config, quotas, tenancy
-from tessera.api.inference import in_flight_scope
+from tessera.api.gateway import in_flight_scope
 from tessera.app import create_app
 from tessera.limits import Limits, Scope
 from tessera.quotas import Quotas

@@ -34,6 +34,7 @@ from tessera.api import (
 )
 from tessera.api.catalog import Catalog
 from tessera.api.deps import AdminCaller
+from tessera.api.gateway import Gateway
 from tessera.api.guard import Drain, GuardMiddleware
 from tessera.auth import KeyVersion
 from tessera.errors import APIError
@@ -77,9 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         grace=timedelta(days=settings.invoice_grace_days),
     )
     quotas = Quotas(redis)
-    gateway = inference.Gateway(
-        settings, Catalog(sessions), redis, celery, recorder, quotas, QuotaLookup(sessions)
-    )
+    gateway = Gateway(settings, Catalog(sessions), redis, celery, recorder, quotas, QuotaLookup(sessions))
     dispatch = workers_ai.BatchDispatch(gateway, settings.batch_max_queue_depth)
     batch_runner = batch.BatchRunner(  # Workers-AI async batches, run while deployments have room
         sessions,

@@ -29,7 +29,7 @@ from tessera import records, responses, routing
 from tessera.api.catalog import Model
 from tessera.api.deps import Caller, CurrentCaller
 from tessera.api.errors import request_id
-from tessera.api.inference import (
+from tessera.api.gateway import (
     AFFINITY_HEADER,
     DEADLINE_GRACE_S,
     REJECT_IF_BUSY_HEADER,
