@@ -22,9 +22,8 @@ import uvicorn
 from sqlalchemy import select
 from tessera import db, deployments, quota_config, tenancy
 from tessera.cli.quotas import parse_usd
-from tessera.limits import Limits, Scope
+from tessera.limits import Limits, Scope, usd
 from tessera.models import SCOPE_ADMIN
-from tessera.pricing import usd
 from tessera.quotas import Quotas
 from tessera.settings import Settings
 from test_gateway import FakePools, fail, reply, stack_worker, wait_for

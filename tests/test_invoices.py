@@ -23,6 +23,7 @@ from tessera import auth, db, tenancy
 from tessera.app import create_app
 from tessera.cli import main
 from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE
+from tessera.records import settle_records
 from tessera.settings import Settings
 from test_billing import DEFAULT, MODEL, REDIS_URL, event, expected_cost, outcome
 
@@ -244,7 +245,7 @@ def test_reconcile_detects_a_tampered_rollup_a_tampered_invoice_and_a_missing_ev
             }
             for o in made
         ]
-        records.settle_records(session, records)
+        settle_records(session, records)
 
     def reconcile(*extra: str) -> tuple[int, dict]:
         code = main(["billing", "reconcile", "--period", NOV, "--database-url", url, "--json", *extra])
@@ -256,7 +257,7 @@ def test_reconcile_detects_a_tampered_rollup_a_tampered_invoice_and_a_missing_ev
 
     # A request that ended without a ledger event.
     with sessions() as session:
-        records.settle_records(session, [{**records[0], "request_id": "never-charged"}])
+        settle_records(session, [{**records[0], "request_id": "never-charged"}])
     code, report = reconcile()
     assert code == 1 and report["mismatches"] == []
     assert report["missing_events"] == 1 and [m["request_id"] for m in report["missing"]] == ["never-charged"]

@@ -1,13 +1,12 @@
 """What a quota is: the limits a scope (a tenant or a key) holds, and the decision an admission returns, with
-the message, error code and rate-limit headers it answers a caller with. ``tessera.quotas`` enforces them.
+the message (spend in dollars: ``usd``), error code and rate-limit headers it answers a caller with.
+``tessera.quotas`` enforces them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import datetime
-
-from tessera.pricing import usd
 
 PREFIX = "tessera:quota"
 LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens", "monthly_spend")
@@ -142,3 +141,10 @@ def duration(ms: int) -> str:
 # has in the ledger (the counter's starting point if missing).
 # Returns {admitted, failing scope index (1-based, 0 = none), failing limit index, retry ms,
 #          per scope: rpm used, rpm reset ms, tpm used, tpm reset ms}.
+
+
+def usd(micro_usd: int) -> str:
+    """``$12.50``, ``$0.000125``: micro-USD as dollars, cents always shown, no digit lost."""
+    dollars, micros = divmod(micro_usd, 1_000_000)
+    cents = f"{micros:06d}".rstrip("0").ljust(2, "0")
+    return f"${dollars:,}.{cents}"

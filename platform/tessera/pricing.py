@@ -1,6 +1,6 @@
 """Prices on the gateway's hot path: ``PriceCache`` (the price book cached a few seconds, so a request prices
 without a database query), ``max_cost`` (what spend budgets reserve), ``charge`` (what a request cost, priced
-and rounded exactly as the ledger prices it) and ``usd`` (micro-USD as dollars, for messages).
+and rounded exactly as the ledger prices it).
 """
 
 from __future__ import annotations
@@ -132,10 +132,3 @@ class PriceCache:
             )
         # Newest first, as billing.PriceBook orders them: the first one in effect wins.
         return tuple(sorted(versions, key=lambda p: (p.effective_from, p.version), reverse=True))
-
-
-def usd(micro_usd: int) -> str:
-    """``$12.50``, ``$0.000125``: micro-USD as dollars, cents always shown, no digit lost."""
-    dollars, micros = divmod(micro_usd, 1_000_000)
-    cents = f"{micros:06d}".rstrip("0").ljust(2, "0")
-    return f"${dollars:,}.{cents}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from tessera.cli import admin, bench, billing, kv, model, quant, quotas, serve
+from tessera.cli import admin, bench, billing, database, deployments, kv, model, quant, quotas, serve
 from tessera.cli import eval as eval_
 from tessera.cli.common import run_command
 
@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
         model,
         bench,
         kv,
+        database,
         admin,
+        deployments,
         quotas,
         billing,
         serve,

@@ -1,58 +1,28 @@
-"""``tessera db``, ``tenants``, ``keys``, ``deployments`` and ``audit``: the control plane's database from the
+"""``tessera tenants``, ``keys`` and ``audit``: tenants, their API keys and the log of their changes from the
 command line.
 
 ``add_commands`` registers them on the main parser's subcommands. Every command takes ``--database-url`` and
 ``--data-dir`` (default: the ``TESSERA_*`` settings). User errors raise ValueError, which ``tessera.cli.main``
 prints without a traceback; results go to stdout (tables, or JSON with ``--json``), notes to stderr.
-
-About 500 lines, kept as one module: the four groups share the database options, the migration-checked
-session, the row builders and the table/JSON output, and each group alone is too small to stand apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tessera.cli.common import parse_bytes, parse_optional_int
+from tessera.cli.database import cli_actor, database_options, key_version, open_session
+from tessera.cli.output import emit, json_default, json_option
 
 if TYPE_CHECKING:  # imported inside the commands: SQLAlchemy, pydantic and rich would slow every `tessera`
-    from sqlalchemy.orm import Session
-
-    from tessera.auth import KeyVersion
-    from tessera.models import ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
-    from tessera.settings import Settings
+    from tessera.models import ApiKey, AuditEvent, Tenant
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--database-url",
-        metavar="URL",
-        help="sqlite:///PATH or postgresql://USER@HOST/DB (default: TESSERA_DATABASE_URL, else SQLite "
-        "under the data dir)",
-    )
-    common.add_argument(
-        "--data-dir", type=Path, metavar="DIR", help="data folder (default: TESSERA_DATA_DIR, else .tessera)"
-    )
-    as_json = argparse.ArgumentParser(add_help=False)
-    as_json.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-    database = subparsers.add_parser("db", help="create or migrate the database schema")
-    db_commands = database.add_subparsers(dest="db_command", required=True, metavar="ACTION")
-    up = db_commands.add_parser("upgrade", parents=[common], help="migrate the schema up (to the newest)")
-    up.add_argument("--revision", default="head", metavar="REV", help="target revision (default head)")
-    up.set_defaults(func=cmd_db_upgrade)
-    down = db_commands.add_parser("downgrade", parents=[common], help="migrate the schema down")
-    down.add_argument("revision", metavar="REV", help="target revision; 'base' drops every table")
-    down.set_defaults(func=cmd_db_downgrade)
-
+    common, as_json = database_options(), json_option()
     tenants = subparsers.add_parser("tenants", help="create, list, disable tenants")
     tenant_commands = tenants.add_subparsers(dest="tenants_command", required=True, metavar="ACTION")
     create = tenant_commands.add_parser("create", parents=[common, as_json], help="create a tenant")
@@ -113,124 +83,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     listing.add_argument("--cursor", metavar="C", help="the next page, as the previous one printed it")
     listing.set_defaults(func=cmd_audit_list)
 
-    deployments = subparsers.add_parser("deployments", help="create, list, show, update deployments")
-    dep_commands = deployments.add_subparsers(dest="deployments_command", required=True, metavar="ACTION")
-    create = dep_commands.add_parser(
-        "create", parents=[common, as_json], help="create a deployment (a model tenants can call)"
-    )
-    create.add_argument("name", metavar="NAME", help="the model id tenants call, e.g. @tessera/demo")
-    create.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint folder on the workers")
-    add_deployment_options(create)
-    create.set_defaults(func=cmd_deployments_create)
-    listing = dep_commands.add_parser("list", parents=[common, as_json], help="list deployments")
-    listing.set_defaults(func=cmd_deployments_list)
-    show = dep_commands.add_parser(
-        "show", parents=[common, as_json], help="a deployment's config and changes"
-    )
-    show.add_argument("name", metavar="NAME")
-    show.add_argument(
-        "--audit", type=int, default=10, metavar="N", help="recent changes to show (default 10)"
-    )
-    show.set_defaults(func=cmd_deployments_show)
-    update = dep_commands.add_parser(
-        "update", parents=[common, as_json], help="change a deployment's config (validated and audited)"
-    )
-    update.add_argument("name", metavar="NAME")
-    update.add_argument(
-        "--checkpoint", default=argparse.SUPPRESS, metavar="DIR", help="checkpoint folder on the workers"
-    )
-    add_deployment_options(update)
-    update.set_defaults(func=cmd_deployments_update)
-
-
-def add_deployment_options(parser: argparse.ArgumentParser) -> None:
-    """The editable deployment fields as flags. An unset flag leaves no attribute (create: the default;
-    update: unchanged). Values are validated by ``tessera.tenancy``, which names the allowed ones."""
-    unset = argparse.SUPPRESS
-    option = parser.add_argument
-    option("--mode", default=unset, help="disaggregated (prefill + decode pools; default) or colocated")
-    option("--dtype", default=unset, help="compute dtype: auto (default), bfloat16, float16 or float32")
-    option(
-        "--prefill-kv",
-        default=unset,
-        help="KV format prefill computes in: auto (default), bf16, int8, fp8_e4m3",
-    )
-    option(
-        "--decode-kv",
-        default=unset,
-        help="KV format the decode pool stores: int8 (default), fp8_e4m3, bf16, auto",
-    )
-    option("--prefill-weights", default=unset, help="prefill weight format: bf16 (default), fp8, int4")
-    option("--decode-weights", default=unset, help="decode weight format: bf16 (default), fp8, int4")
-    option("--page-size", type=int, default=unset, metavar="P", help="tokens per KV page, a power of two")
-    option("--kv-budget-bytes", type=parse_bytes, default=unset, metavar="B", help="KV memory, e.g. 512MiB")
-    option("--max-num-seqs", type=int, default=unset, metavar="N", help="requests a worker batches at most")
-    option(
-        "--max-model-len",
-        type=parse_optional_int,
-        default=unset,
-        metavar="N",
-        help="context length cap; 'auto' = the model's own",
-    )
-    option(
-        "--max-tokens-limit", type=int, default=unset, metavar="N", help="most max_tokens one request may ask"
-    )
-    option(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=unset,
-        metavar="N",
-        help="prompts of at most N tokens skip the prefill pool: the decode pool prefills them (0: none)",
-    )
-    option(
-        "--integrity-check",
-        action=argparse.BooleanOptionalAction,
-        default=unset,
-        help="check KV page tags before cache reads",
-    )
-    option(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        default=unset,
-        help="reuse a tenant's cached prompt pages",
-    )
-    enabled = parser.add_mutually_exclusive_group()
-    enabled.add_argument(
-        "--enable", dest="enabled", action="store_const", const=True, default=unset, help="serve requests"
-    )
-    enabled.add_argument(
-        "--disable", dest="enabled", action="store_const", const=False, default=unset, help="refuse requests"
-    )
-    option(
-        "--no-checkpoint-check",
-        dest="check_checkpoint",
-        action="store_false",
-        help="skip checking the checkpoint folder (when it exists only on the worker hosts)",
-    )
-
 
 # --- commands --------------------------------------------------------------------------------------------
-
-
-def cmd_db_upgrade(args: argparse.Namespace) -> None:
-    from tessera import db
-
-    url = settings_from(args).database_url
-    before = migration_step(db.current_revision, url)
-    after = migration_step(db.upgrade, url, args.revision)
-    if before == after:
-        print(f"{db.redact(url)}: already at revision {after}")
-    else:
-        print(f"{db.redact(url)}: upgraded from {before or 'an empty database'} to revision {after}")
-
-
-def cmd_db_downgrade(args: argparse.Namespace) -> None:
-    from tessera import db
-
-    url = settings_from(args).database_url
-    before = migration_step(db.current_revision, url)
-    after = migration_step(db.downgrade, url, args.revision)
-    print(f"{db.redact(url)}: downgraded from revision {before} to {after or 'base (no tables)'}")
 
 
 def cmd_tenants_create(args: argparse.Namespace) -> None:
@@ -352,156 +206,7 @@ def parse_expiry(value: str) -> datetime | None:
     return when
 
 
-def cmd_deployments_create(args: argparse.Namespace) -> None:
-    from tessera import deployments
-
-    with open_session(args) as session:
-        deployment = deployments.create_deployment(
-            session,
-            {"name": args.name, **deployment_changes(args)},
-            actor=cli_actor(),
-            check_checkpoint_files=args.check_checkpoint,
-        )
-        emit_deployment(
-            args, deployment, deployments.deployment_audit(session, args.name, limit=1), "Deployment created"
-        )
-
-
-LIST_COLUMNS = (
-    "name",
-    "mode",
-    "prefill_kv",
-    "decode_kv",
-    "decode_weights",
-    "page_size",
-    "enabled",
-    "checkpoint",
-)
-
-
-def cmd_deployments_list(args: argparse.Namespace) -> None:
-    from tessera import deployments
-
-    with open_session(args) as session:
-        rows = [deployment_row(d) for d in deployments.list_deployments(session)]
-    if not args.json:
-        rows = [{k: row[k] for k in LIST_COLUMNS} for row in rows]
-    emit(args, rows, title="Deployments")
-
-
-def cmd_deployments_show(args: argparse.Namespace) -> None:
-    from tessera import deployments
-
-    with open_session(args) as session:
-        deployment = deployments.get_deployment(session, args.name)
-        audit = deployments.deployment_audit(session, args.name, limit=args.audit)
-        emit_deployment(args, deployment, audit, title=f"Deployment {args.name}")
-
-
-def cmd_deployments_update(args: argparse.Namespace) -> None:
-    from tessera import deployments
-
-    changes = deployment_changes(args)
-    if not changes:
-        raise ValueError(
-            "nothing to update: pass the fields to change, e.g. --decode-kv fp8_e4m3 or --disable "
-            "(`tessera deployments update --help` lists them)"
-        )
-    with open_session(args) as session:
-        before = deployments.deployment_config(deployments.get_deployment(session, args.name))
-        deployment = deployments.update_deployment(
-            session, args.name, changes, actor=cli_actor(), check_checkpoint_files=args.check_checkpoint
-        )
-        changed = deployments.deployment_config(deployment) != before
-        if not changed:
-            print("No change: the deployment already has these values.", file=sys.stderr)
-        latest = deployments.deployment_audit(session, args.name, limit=1) if changed else []
-        emit_deployment(args, deployment, latest, title=f"Deployment {args.name}")
-
-
-# --- helpers ---------------------------------------------------------------------------------------------
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    from tessera.settings import Settings
-
-    given = {"database_url": args.database_url, "data_dir": args.data_dir}
-    return Settings(**{k: v for k, v in given.items() if v is not None})
-
-
-@contextlib.contextmanager
-def key_version(args: argparse.Namespace) -> Iterator[KeyVersion | None]:
-    """The API processes' key-version counter, to tell them a key changed: in TESSERA_REDIS_URL's Redis, or
-    in the embedded one a `tessera up` on the data dir runs. None when there is neither."""
-    from tessera.auth import KeyVersion
-
-    version = KeyVersion.from_settings(settings_from(args))
-    try:
-        yield version
-    finally:
-        if version is not None:
-            version.redis.close()
-
-
-@contextlib.contextmanager
-def open_session(args: argparse.Namespace) -> Iterator[Session]:
-    """A session on a database that is reachable and at the newest migration, else a clear error."""
-    from sqlalchemy.exc import OperationalError, ProgrammingError
-
-    from tessera import db
-
-    url = settings_from(args).database_url
-    current, head = migration_step(db.current_revision, url), db.head_revision()
-    if current != head:
-        state = "has no Tessera tables" if current is None else f"is at revision {current}, not {head}"
-        raise ValueError(f"the database {db.redact(url)} {state}: run `tessera db upgrade` first")
-    engine = db.make_engine(url)
-    try:
-        with db.session_factory(engine)() as session:
-            yield session
-    except (OperationalError, ProgrammingError) as exc:
-        raise ValueError(database_error(url, exc)) from None
-    finally:
-        engine.dispose()
-
-
-def migration_step(step, url: str, *args: Any) -> Any:
-    """Run a ``tessera.db`` migration function; unreachable databases and unknown revisions become
-    ValueErrors that say what to do."""
-    from alembic.util import CommandError
-    from sqlalchemy.exc import OperationalError, ProgrammingError
-
-    from tessera import db
-
-    try:
-        return step(url, *args)
-    except (OperationalError, ProgrammingError) as exc:
-        raise ValueError(database_error(url, exc)) from None
-    except CommandError as exc:
-        raise ValueError(f"{db.redact(url)}: {exc}") from None
-
-
-def database_error(url: str, exc: Exception) -> str:
-    from tessera import db
-
-    detail = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-    return (
-        f"database {db.redact(url)}: {detail}. Check that it is running and reachable "
-        "(--database-url or TESSERA_DATABASE_URL), and that `tessera db upgrade` has run."
-    )
-
-
-def cli_actor() -> str:
-    from tessera.audit import local_actor
-
-    return local_actor()
-
-
-def deployment_changes(args: argparse.Namespace) -> dict[str, Any]:
-    """The deployment fields given on the command line (unset flags left no attribute)."""
-    from tessera import deployments
-
-    return {name: getattr(args, name) for name in deployments.EDITABLE_FIELDS if hasattr(args, name)}
+# --- rows ------------------------------------------------------------------------------------------------
 
 
 def tenant_row(tenant: Tenant) -> dict[str, Any]:
@@ -525,17 +230,6 @@ def key_row(key: ApiKey, tenant: str) -> dict[str, Any]:
     }
 
 
-def deployment_row(deployment: Deployment) -> dict[str, Any]:
-    from tessera import deployments
-
-    return {
-        "name": deployment.name,
-        **deployments.deployment_config(deployment).model_dump(exclude={"name"}),
-        "created_at": deployment.created_at,
-        "updated_at": deployment.updated_at,
-    }
-
-
 def audit_event_row(event: AuditEvent) -> dict[str, Any]:
     return {
         "id": event.id,
@@ -547,74 +241,3 @@ def audit_event_row(event: AuditEvent) -> dict[str, Any]:
         "before": event.before,
         "after": event.after,
     }
-
-
-def audit_row(entry: DeploymentAudit) -> dict[str, Any]:
-    return {"at": entry.created_at, "actor": entry.actor, "action": entry.action, "changes": entry.changes}
-
-
-def emit_deployment(
-    args: argparse.Namespace, deployment: Deployment, audit: list[DeploymentAudit], title: str
-) -> None:
-    row = deployment_row(deployment)
-    if args.json:
-        print(json.dumps({**row, "audit": [audit_row(a) for a in audit]}, default=json_default))
-        return
-    from rich.table import Table
-
-    console = rich_console()
-    table = Table(title=title)
-    table.add_column("field", no_wrap=True)
-    table.add_column("value", overflow="fold")
-    for key, value in row.items():
-        table.add_row(key, cell(value))
-    console.print(table)
-    if audit:
-        changes = Table("at", "actor", "action", "changes", title="Changes (newest first)")
-        for entry in audit:
-            summary = (
-                "initial config"
-                if entry.action == "create"
-                else ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in entry.changes.items())
-            )
-            changes.add_row(cell(entry.created_at), entry.actor, entry.action, summary)
-        console.print(changes)
-
-
-def emit(args: argparse.Namespace, rows: list[dict[str, Any]], title: str) -> None:
-    if args.json:
-        for row in rows:
-            print(json.dumps(row, default=json_default))
-        return
-    if not rows:
-        print(f"{title}: none", file=sys.stderr)
-        return
-    from rich.table import Table
-
-    table = Table(title=title)
-    for i, column in enumerate(rows[0]):
-        table.add_column(column, no_wrap=i == 0)  # the first column names the row: never cut it
-    for row in rows:
-        table.add_row(*(cell(v) for v in row.values()))
-    rich_console().print(table)
-
-
-def rich_console():
-    """A console for tables: the terminal's width, or unlimited when piped, so no value is cut."""
-    from rich.console import Console
-
-    return Console() if sys.stdout.isatty() else Console(width=1000)
-
-
-def cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, datetime):
-        return value.strftime("%Y-%m-%d %H:%M UTC")
-    return str(value)
-
-
-def json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    raise TypeError(f"cannot encode {type(value).__name__} as JSON")

@@ -15,8 +15,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from tessera.cli.admin import emit, json_default, open_session, rich_console, settings_from
 from tessera.cli.common import CliError
+from tessera.cli.database import open_session, settings_from
+from tessera.cli.output import emit, json_default, rich_console
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -11,8 +11,9 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from tessera.cli.admin import emit, open_session
 from tessera.cli.common import CliError
+from tessera.cli.database import open_session
+from tessera.cli.output import emit
 from tessera.limits import LIMITS, Limits
 
 UNLIMITED = ("none", "unlimited")
