@@ -7,6 +7,7 @@ The schema is created by Alembic (``migrations/``); tests prove these models and
 from __future__ import annotations
 
 import uuid
+from dataclasses import fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -127,23 +128,9 @@ class Deployment(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     def to_spec(self) -> DeploymentSpec:
-        """What a worker needs to serve this deployment (the gateway-only fields stay here)."""
-        return DeploymentSpec(
-            name=self.name,
-            checkpoint=self.checkpoint,
-            mode=self.mode,
-            dtype=self.dtype,
-            prefill_kv=self.prefill_kv,
-            decode_kv=self.decode_kv,
-            prefill_weights=self.prefill_weights,
-            decode_weights=self.decode_weights,
-            page_size=self.page_size,
-            kv_budget_bytes=self.kv_budget_bytes,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            integrity_check=self.integrity_check,
-            prefix_cache=self.prefix_cache,
-        )
+        """What a worker needs to serve this deployment: the columns ``DeploymentSpec`` names (the gateway-only
+        fields stay here)."""
+        return DeploymentSpec(**{f.name: getattr(self, f.name) for f in fields(DeploymentSpec)})
 
     def __repr__(self) -> str:
         return f"Deployment(name={self.name!r}, mode={self.mode!r}, enabled={self.enabled})"
