@@ -1,7 +1,7 @@
 """The wire between the gateway and the worker pools: task payloads, stream events, KV hand-off header, and
 the Celery app and Redis clients both sides build from one URL.
 
-Torch-free: with ``tokenizer`` and ``checkpoint``, the only part of ``gpu_workers`` the gateway imports.
+Torch-free: with ``tokenizer``, ``checkpoint`` and ``lifecycle``, what the gateway imports of ``gpu_workers``.
 Every message is a pydantic dataclass: validated when built and when read (``from_json`` raises
 ``MessageError`` on a malformed message), still a plain dataclass to ``dataclasses.replace`` / ``asdict``.
 Tasks carry one JSON string (``GenerateTask.to_json()``); tokens travel on Redis Streams, so Celery has no
@@ -56,18 +56,6 @@ def stream_key(request_id: str) -> str:
 
 def cancel_key(request_id: str) -> str:
     return f"tessera:cancel:{request_id}"
-
-
-def lease_key(request_id: str) -> str:
-    """Redis string: the worker id of the one attempt serving the request. Its holder renews it every
-    heartbeat, so it exists exactly while a live worker serves the request (or a heartbeat TTL after it died)."""
-    return f"tessera:lease:{request_id}"
-
-
-def inflight_key(worker_id: str) -> str:
-    """Redis hash: request id -> {"task": task name, "payload": GenerateTask JSON}: the requests a worker
-    has begun and not ended, which a peer finishes if the worker dies (``pools.inflight``)."""
-    return f"tessera:inflight:{worker_id}"
 
 
 def handoff_key(request_id: str) -> str:

@@ -17,6 +17,7 @@ import torch
 from embedding_models import minilm_dir, tiny_bert
 
 from gpu_workers.engine.embedder import Embedder, EmbedderConfig
+from gpu_workers.lifecycle import inflight_key, lease_key
 from gpu_workers.pools.embed import EmbedRunner, embedder_config
 from gpu_workers.pools.inflight import Inflight
 from gpu_workers.pools.worker import SECRET_ENV
@@ -26,8 +27,6 @@ from gpu_workers.protocol import (
     DeploymentSpec,
     EmbedTask,
     Event,
-    inflight_key,
-    lease_key,
     make_celery,
     stream_key,
     workers_key,

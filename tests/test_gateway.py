@@ -32,6 +32,7 @@ from tessera.app import create_app
 from tessera.models import RequestRecord
 from tessera.settings import Settings
 
+from gpu_workers.lifecycle import inflight_key, lease_key
 from gpu_workers.pools.stream import RequestStream
 from gpu_workers.protocol import (
     STREAM_FIELD,
@@ -41,8 +42,6 @@ from gpu_workers.protocol import (
     GenerateTask,
     WorkerInfo,
     cancel_key,
-    inflight_key,
-    lease_key,
     pool_queue,
     stream_key,
     worker_queue,

@@ -24,10 +24,11 @@ import redis
 from gpu_workers import Engine, SamplingParams
 from gpu_workers.engine import StreamEvent
 from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.lifecycle import LEASE_TTL_MS, inflight_key, lease_key
 from gpu_workers.pools.heartbeat import Heartbeat
-from gpu_workers.pools.inflight import Inflight, inflight_key
+from gpu_workers.pools.inflight import Inflight
 from gpu_workers.pools.messages import updated
-from gpu_workers.pools.stream import LEASE_TTL_MS, LeaseLost, RequestStream, StepWriter, Streamed, lease_key
+from gpu_workers.pools.stream import LeaseLost, RequestStream, StepWriter, Streamed
 from gpu_workers.pools.tasks import TaskRunner
 from gpu_workers.pools.worker import EXIT_ENGINE_FAILED, SECRET_ENV, engine_config
 from gpu_workers.protocol import (

@@ -29,6 +29,7 @@ from multiprocessing.shared_memory import SharedMemory
 import redis
 from safetensors.torch import load, save
 
+from gpu_workers import lifecycle
 from gpu_workers.kv.transfer import KVBlock
 from gpu_workers.pools.messages import updated
 from gpu_workers.protocol import (
@@ -168,7 +169,7 @@ def colocated_decode(client: redis.Redis, deployment: str, decode_queue: str, ho
     """Whether every live decode worker that may take a task from ``decode_queue`` runs on ``host``."""
     now = time.time()
     workers = [WorkerInfo.from_json(raw) for raw in client.hvals(workers_key(deployment, "decode"))]
-    live = [w for w in workers if now - w.last_seen < HEARTBEAT_TTL_S]
+    live = [w for w in workers if lifecycle.live(now - w.last_seen, HEARTBEAT_TTL_S)]
     if decode_queue != pool_queue(deployment, "decode"):
         live = [w for w in live if worker_queue(w.worker_id) == decode_queue]
     return bool(live) and all(w.host == host for w in live)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import redis
 
+from gpu_workers.lifecycle import live
 from gpu_workers.protocol import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
@@ -91,7 +92,9 @@ class Heartbeat:
     def live_peers(self) -> list[WorkerInfo]:
         now = time.time()
         peers = (WorkerInfo.from_json(raw) for raw in self.client.hvals(self.key))
-        return [p for p in peers if p.worker_id != self.worker_id and now - p.last_seen < HEARTBEAT_TTL_S]
+        return [
+            p for p in peers if p.worker_id != self.worker_id and live(now - p.last_seen, HEARTBEAT_TTL_S)
+        ]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -109,7 +112,7 @@ class Heartbeat:
             if worker_id == self.worker_id:
                 continue
             peer = WorkerInfo.from_json(raw)
-            if now - peer.last_seen < HEARTBEAT_TTL_S:
+            if live(now - peer.last_seen, HEARTBEAT_TTL_S):
                 if peer.draining:
                     self.on_draining_peer(worker_id)
                 continue

@@ -7,19 +7,8 @@ import threading
 
 import redis
 
-from gpu_workers.pools.stream import LEASE_TTL_MS
-from gpu_workers.protocol import STREAM_TTL_S, inflight_key, lease_key
-
-# KEYS: the leases of the requests a worker tracks, then its in-flight hash. ARGV: the worker's id, lease ttl ms,
-# hash ttl s. Extends only the leases the worker still holds: one another attempt took over (this worker was
-# declared dead and its request recovered) is that attempt's to keep alive, and must lapse when it dies.
-_RENEW = """
-for i = 1, #KEYS - 1 do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
-end
-redis.call('EXPIRE', KEYS[#KEYS], ARGV[3])
-return 0
-"""
+from gpu_workers.lifecycle import LEASE_TTL_MS, RENEW, inflight_key, lease_key
+from gpu_workers.protocol import STREAM_TTL_S
 
 
 class Inflight:
@@ -27,7 +16,7 @@ class Inflight:
         self.client = client
         self.worker_id = worker_id
         self.key = inflight_key(worker_id)
-        self._renew = client.register_script(_RENEW)
+        self._renew = client.register_script(RENEW)
         self._requests: set[str] = set()
         self._lock = threading.Lock()
 

@@ -1,7 +1,7 @@
 """A request's Redis Stream and its lease: who may write to it, what it already holds.
 
-One attempt at a time serves a request: the holder of ``lease_key(request_id)``. Every write checks the
-lease and appends in one Lua script, so an attempt whose lease was taken over (its worker was declared
+One attempt at a time serves a request: the holder of ``lease_key(request_id)`` (``gpu_workers.lifecycle``
+holds the keys and the scripts). Every write checks the lease and appends in one Lua script, so an attempt whose lease was taken over (its worker was declared
 dead, the message was delivered twice) can never add a token after that, however late it wakes up.
 Reading what a stream holds lets a redelivered task decide between skipping, failing and retrying.
 
@@ -24,94 +24,15 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError, RedisError
 
-from gpu_workers.protocol import (
-    HEARTBEAT_TTL_S,
-    STREAM_FIELD,
-    STREAM_TTL_S,
-    Event,
-    cancel_key,
-    lease_key,
-    stream_key,
-)
+from gpu_workers import lifecycle
+from gpu_workers.lifecycle import LEASE_TTL_MS, lease_key
+from gpu_workers.protocol import STREAM_FIELD, STREAM_TTL_S, Event, cancel_key, stream_key
 
 log = logging.getLogger(__name__)
 
 CHECK_S = 0.1  # longest time between two reads of the cancel keys (and deadline checks) when no token flows
 STREAM_MAXLEN = 10_000  # events kept per stream (about a token each): a bound, never reached by a live reader
-LEASE_TTL_MS = int(HEARTBEAT_TTL_S * 1000)  # the heartbeat renews the leases of a live worker
 TERMINAL = ("final", "error")
-
-# Appends for one request or for every request a worker streams in a step, in one script run. KEYS: lease
-# and stream of each request, in pairs. ARGV: maxlen, stream ttl, lease ttl ms, field, then for each request
-# its owner, its event count n and its n events (JSON). Returns per request n, or -1 where its lease is
-# another's. (Keys of many requests in one script: one Redis server, as the platform runs it, not a
-# hash-slotted cluster.)
-_APPEND = """
-local appended, a = {}, 5
-for i = 1, #KEYS / 2 do
-  local lease, stream, owner, n = KEYS[2 * i - 1], KEYS[2 * i], ARGV[a], tonumber(ARGV[a + 1])
-  if redis.call('GET', lease) ~= owner then
-    appended[i] = -1
-  else
-    for j = 1, n do
-      redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', ARGV[4], ARGV[a + 1 + j])
-    end
-    redis.call('EXPIRE', stream, ARGV[2])
-    redis.call('PEXPIRE', lease, ARGV[3])
-    appended[i] = n
-  end
-  a = a + 2 + n
-end
-return appended
-"""
-# KEYS: lease. ARGV: owner. Delete only if still ours.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-# An attempt's start in one round trip. KEYS: stream, lease, the worker's in-flight hash, cancel key. ARGV: owner,
-# lease ttl ms, handed over (1: the attempt continues a stream that another worker began and handed on, as
-# decode continues prefill's: it may find that worker's one event and take that worker's lease), in-flight
-# field and value, in-flight ttl s. Returns {status, events, cancelled}: 'finished' (the stream
-# ended: nothing taken), 'busy' (another attempt holds the lease), 'cut' (the lease is ours, but the stream
-# holds more than an attempt may find: a dead worker's partial output), 'claimed' (the lease is ours and the
-# request recorded in flight).
-_BEGIN = """
-local n = redis.call('XLEN', KEYS[1])
-local last = nil
-if n > 0 then
-  last = cjson.decode(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][2][2])
-  if last.kind == 'final' or last.kind == 'error' then return {'finished', n, 0} end
-end
-local handed_over = ARGV[3] == '1'
-local previous = false
-if handed_over and n == 1 and type(last.worker_id) == 'string' and last.worker_id ~= '' then
-  previous = last.worker_id
-end
-local holder = redis.call('GET', KEYS[2])
-if holder and holder ~= previous then return {'busy', n, 0} end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-if n > (handed_over and 1 or 0) then return {'cut', n, 0} end
-redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
-redis.call('EXPIRE', KEYS[3], ARGV[6])
-return {'claimed', n, redis.call('EXISTS', KEYS[4])}
-"""
-# An attempt's end: KEYS: lease, in-flight hash. ARGV: owner, in-flight field. Drop the in-flight record; delete
-# the lease only if still ours.
-_END = """
-redis.call('HDEL', KEYS[2], ARGV[2])
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-# KEYS: lease. ARGV: new owner, previous owner, ttl ms. Take a free lease, or the previous owner's.
-_TAKE_OVER = """
-local holder = redis.call('GET', KEYS[1])
-if holder == false or holder == ARGV[2] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-  return 1
-end
-return 0
-"""
 
 
 class LeaseLost(RuntimeError):
@@ -153,11 +74,11 @@ class RequestStream:
         self.request_id = request_id
         self.owner = owner
         self._lease = lease_key(request_id)
-        self._append = client.register_script(_APPEND)
-        self._release = client.register_script(_RELEASE)
-        self._take_over = client.register_script(_TAKE_OVER)
-        self._begin = client.register_script(_BEGIN)
-        self._end = client.register_script(_END)
+        self._append = client.register_script(lifecycle.APPEND)
+        self._release = client.register_script(lifecycle.RELEASE)
+        self._take_over = client.register_script(lifecycle.TAKE_OVER)
+        self._begin = client.register_script(lifecycle.BEGIN)
+        self._end = client.register_script(lifecycle.END)
 
     def claim(self, previous_owner: str | None = None) -> bool:
         """Take the lease if it is free or held by ``previous_owner`` (a dead worker, or the prefill that
@@ -261,7 +182,7 @@ class StepWriter:
         self._live: dict[str, Streamed] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._append = client.register_script(_APPEND)
+        self._append = client.register_script(lifecycle.APPEND)
         self.round_trips = 0  # pipelines executed (writes and cancel reads)
         self.entries_written = 0  # stream entries they appended
 

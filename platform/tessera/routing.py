@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gpu_workers import lifecycle
 from gpu_workers.protocol import (
     TASK_PREFILL,
     TASK_SERVE,
@@ -67,29 +68,7 @@ async def live_workers(
 ) -> list[WorkerInfo]:
     """Workers of ``pool`` whose last heartbeat is within ``ttl_s``; stale entries are ignored, not deleted."""
     entries = await redis.hgetall(workers_key(deployment, pool))
-    return _live(entries, ttl_s, time.time() if now is None else now)
-
-
-def _live(entries: dict[bytes, bytes], ttl_s: float, now: float) -> list[WorkerInfo]:
-    workers = []
-    for raw in entries.values():
-        try:
-            info = WorkerInfo.from_json(raw)
-        except (ValueError, TypeError):
-            continue  # a malformed heartbeat is as good as none
-        if now - info.last_seen <= ttl_s:
-            workers.append(info)
-    return workers
-
-
-async def is_live(redis: aioredis.Redis, deployment: str, pool: str, worker_id: str, ttl_s: float) -> bool:
-    raw = await redis.hget(workers_key(deployment, pool), worker_id)
-    if raw is None:
-        return False
-    try:
-        return time.time() - WorkerInfo.from_json(raw).last_seen <= ttl_s
-    except (ValueError, TypeError):
-        return False
+    return lifecycle.live_workers(entries.values(), ttl_s, time.time() if now is None else now)
 
 
 async def pick(redis: aioredis.Redis, deployment: str, pool: str, key: bytes, ttl_s: float) -> WorkerInfo:
@@ -130,7 +109,7 @@ async def route(
         pipe.hgetall(workers_key(spec.name, "decode"))
         prefill_entries, decode_entries = await pipe.execute()
     now = time.time()
-    prefill = _pick(_live(prefill_entries, ttl_s, now), spec.name, "prefill", key)
-    decode = _pick(_live(decode_entries, ttl_s, now), spec.name, "decode", key)
+    prefill = _pick(lifecycle.live_workers(prefill_entries.values(), ttl_s, now), spec.name, "prefill", key)
+    decode = _pick(lifecycle.live_workers(decode_entries.values(), ttl_s, now), spec.name, "decode", key)
     workers = (("prefill", prefill.worker_id), ("decode", decode.worker_id))
     return Route(TASK_PREFILL, queue_of(prefill), workers, queue_of(decode))

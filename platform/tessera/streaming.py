@@ -19,19 +19,9 @@ import anyio
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gpu_workers.protocol import (
-    HEARTBEAT_TTL_S,
-    POOLS,
-    STREAM_FIELD,
-    STREAM_TTL_S,
-    Event,
-    cancel_key,
-    inflight_key,
-    lease_key,
-    pool_queue,
-    stream_key,
-)
-from tessera import routing
+from gpu_workers import lifecycle
+from gpu_workers.lifecycle import Verdict
+from gpu_workers.protocol import HEARTBEAT_TTL_S, STREAM_FIELD, STREAM_TTL_S, Event, cancel_key, stream_key
 from tessera.responses import Result
 from tessera.stream_hub import BLOCK_MS, hub_for
 
@@ -108,7 +98,7 @@ class StreamReader:
                     self._orphaned_at = None
                 elif self.client_gone is not None and await self.client_gone():
                     return
-                elif self._quiet_check_due(last_event) and await self._worker_lost():
+                elif self._quiet_check_due(last_event) and await self._worker_lost(last_event):
                     yield _failure(
                         "worker_lost", "the worker serving this request stopped; retry the request"
                     )
@@ -119,66 +109,39 @@ class StreamReader:
                 await cancel(self.redis, self.request_id)
 
     def _quiet_check_due(self, last_event: float) -> bool:
-        """Whether to ask ``_worker_lost`` now: the stream quiet a heartbeat TTL, and a quarter TTL since the
-        last time (each asking costs a few Redis reads; a queue of quiet requests would repeat them per read)."""
+        """Whether to ask ``_worker_lost`` now (``lifecycle.quiet_check_due``)."""
         now = time.monotonic()
-        if now - last_event <= self.heartbeat_ttl_s or now - self._checked_at < self.heartbeat_ttl_s / 4:
+        if not lifecycle.quiet_check_due(now - last_event, now - self._checked_at, self.heartbeat_ttl_s):
             return False
         self._checked_at = now
         return True
 
-    async def _worker_lost(self) -> bool:
-        """Whether nobody is left to serve the request, asked while its stream has been quiet a heartbeat TTL.
-
-        Not while an attempt holds its lease (the worker serving it renews that every heartbeat, also while
-        it drains out of its pool in a reload, and it lapses a TTL after that worker dies), nor for a prefill
-        worker that streamed its token and ended its part (its in-flight record gone). Without a lease,
-        lost at once when a worker it was routed to is not live and that pool has no live worker either.
-        Otherwise suspect, and lost once a further TTL passes without a lease: a routed worker gone while its
-        pool has live peers and an empty pool queue (a dead worker's peers re-queue or fail what it left, a
-        departing one hands its queue to its pool, where a busy peer may take a while), or the last attempt
-        seen holding the lease or writing the stream, when no router chose it (a peer took the request up),
-        it is live in no pool and still records the request in flight (it died, maybe after leaving its
-        pool, where no peer recovers it)."""
+    async def _worker_lost(self, last_event: float) -> bool:
+        """Whether nobody is left to serve the request: ``lifecycle.judge`` over what ``lifecycle.observe``
+        reads, a SUSPECT verdict turning LOST once it has lasted a further heartbeat TTL."""
+        now = time.monotonic()
         try:
-            holder = await self.redis.get(lease_key(self.request_id))
-            if holder is not None:
-                self._holder = holder.decode()
-                self._orphaned_at = None
-                return False
-            suspect = False
-            for pool, worker_id in self.workers:
-                if await routing.is_live(self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s):
-                    continue
-                if pool == "prefill" and self._entries and not await self._serving(worker_id):
-                    continue  # it streamed its token and ended its part: decode goes on without it
-                if not await routing.live_workers(self.redis, self.deployment, pool, self.heartbeat_ttl_s):
-                    return True
-                if await self.redis.llen(pool_queue(self.deployment, pool)):
-                    continue  # handed to the pool's queue, it may wait there for a busy peer
-                suspect = True
-                break
-            if not suspect and self._holder is not None and self._holder not in (w for _, w in self.workers):
-                suspect = await self._serving(self._holder) and not await self._live_anywhere(self._holder)
+            seen = await lifecycle.observe(
+                self.redis,
+                self.request_id,
+                self.deployment,
+                self.workers,
+                idle_s=now - last_event,
+                streamed=self._entries > 0,
+                last_holder=self._holder,
+                now=time.time(),
+            )
         except RedisError:
             return False  # the next read reports Redis itself; the wait for a peer goes on where it was
-        if not suspect:
+        if seen.lease_holder is not None:
+            self._holder = seen.lease_holder
+        suspect_for_s = None if self._orphaned_at is None else now - self._orphaned_at
+        verdict = lifecycle.judge(seen, self.heartbeat_ttl_s, suspect_for_s)
+        if verdict is Verdict.ALIVE:
             self._orphaned_at = None
-            return False
-        now = time.monotonic()
-        if self._orphaned_at is None:
+        elif verdict is Verdict.SUSPECT and self._orphaned_at is None:
             self._orphaned_at = now
-        return now - self._orphaned_at > self.heartbeat_ttl_s
-
-    async def _serving(self, worker_id: str) -> bool:
-        """Whether ``worker_id`` still records this request in flight (begun and not ended)."""
-        return bool(await self.redis.hexists(inflight_key(worker_id), self.request_id))
-
-    async def _live_anywhere(self, worker_id: str) -> bool:
-        for pool in POOLS:
-            if await routing.is_live(self.redis, self.deployment, pool, worker_id, self.heartbeat_ttl_s):
-                return True
-        return False
+        return verdict is Verdict.LOST
 
 
 def _joined(first: Event, then: Event) -> Event:
