@@ -44,6 +44,21 @@ LAYERS = "Data-plane layers"
 BREACHES = {
     "gateway imports torch": ("platform/tessera/api/_probe.py", "import torch\n", GATEWAY),
     "gateway imports the engine": ("platform/tessera/_probe.py", "import gpu_workers.engine\n", GATEWAY),
+    "gateway imports the data plane's package face": (
+        "platform/tessera/api/_probe.py",
+        "from gpu_workers import Engine\n",
+        GATEWAY,
+    ),
+    "a command that is not exempted imports the engine": (
+        "platform/tessera/cli/_probe.py",
+        "import gpu_workers.engine\n",
+        GATEWAY,
+    ),
+    "a module the gateway imports imports torch": (
+        "gpu_workers/grammars.py",
+        "import torch\n",
+        "What the gateway imports of gpu_workers is torch-free",
+    ),
     "data plane imports the control plane": (
         "gpu_workers/kv/_probe.py",
         "import tessera.settings\n",
