@@ -277,6 +277,7 @@ class DeploymentSpec(Message):
     max_model_len: int | None = None
     integrity_check: bool = True
     prefix_cache: bool = True
+    batch_invariant: bool = False  # EngineConfig.batch_invariant
 
     def queue(self, pool: str) -> str:
         return pool_queue(self.name, pool)

@@ -18,6 +18,7 @@ from gpu_workers.engine.failures import StepFailures, end_integrity_violations
 from gpu_workers.engine.grammar import Grammars
 from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.engine.handoff import HandOff
+from gpu_workers.engine.invariance import chunk_tokens
 from gpu_workers.engine.loop import StepLoop
 from gpu_workers.engine.params import (
     ENGINE_FAILED,
@@ -65,13 +66,16 @@ class EngineCore:
             PrefixCache() if config.prefix_cache else None,
         )
         self._salt_secret = config.prefix_cache_secret or os.urandom(32)
-        self.scheduler = Scheduler(self.pages, config.max_num_seqs, config.max_num_batched_tokens)
+        chunk = (
+            chunk_tokens(config.page_size, config.max_num_batched_tokens) if config.batch_invariant else None
+        )
+        self.scheduler = Scheduler(self.pages, config.max_num_seqs, config.max_num_batched_tokens, chunk)
         graphs = (
             DecodeGraphs(model, self.cache, config.max_num_seqs, self.max_model_len, config.device)
             if config.cuda_graphs
             else None
         )
-        self.runner = ModelRunner(model, self.cache, config.device, graphs)
+        self.runner = ModelRunner(model, self.cache, config.device, graphs, config.batch_invariant)
         eos = set(model_config.eos_token_ids or [])
         if tokenizer is not None:
             eos |= set(tokenizer.eos_token_ids)

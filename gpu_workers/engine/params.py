@@ -46,6 +46,10 @@ class EngineConfig:
     # Decode steps replayed from CUDA graphs, one per batch-size bucket (engine/graphs.py); one KV page is
     # kept aside for padded rows. Meant for CUDA; on a CPU the same static-buffer step runs eagerly.
     cuda_graphs: bool = False
+    # A request's tokens do not depend on the rest of its batch (engine/invariance.py): linears padded to 16
+    # rows, prefill cut into fixed chunks. Costs speed at small batches; for clients that need a seeded
+    # answer reproduced exactly.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -65,6 +69,11 @@ class EngineConfig:
         for name in ("kv_budget_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.batch_invariant and self.max_num_batched_tokens < 2 * self.page_size:
+            raise ValueError(
+                "batch_invariant cuts prefill into whole pages of at most half the step's budget: "
+                f"max_num_batched_tokens must be at least {2 * self.page_size}, got {self.max_num_batched_tokens}"
+            )
 
     @property
     def compute_dtype(self) -> DtypeChoice:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from gpu_workers.engine.graphs import DecodeGraphs
+from gpu_workers.engine.invariance import PaddedLinears
 from gpu_workers.engine.params import EngineConfig
 from gpu_workers.engine.scheduler import ScheduledBatch
 from gpu_workers.kernels.packed_linear import pack_linears
@@ -21,19 +22,31 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, cache: KVCache, device: str, graphs: DecodeGraphs | None = None
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        device: str,
+        graphs: DecodeGraphs | None = None,
+        batch_invariant: bool = False,
     ):
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs  # decode steps from CUDA graphs (EngineConfig.cuda_graphs)
+        self.batch_invariant = batch_invariant  # linears padded to MIN_ROWS (engine/invariance.py)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
         """Compute the batch's new tokens; return the rows that reached their last token and their logits.
 
         A row whose prompt chunk stops short of the end produces no logits this step.
         """
+        if not self.batch_invariant:
+            return self._run(batch)
+        with PaddedLinears():
+            return self._run(batch)
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
         if self.graphs is not None and self.graphs.serves(batch):
             return self.graphs.run(batch)
         input_ids: list[int] = []

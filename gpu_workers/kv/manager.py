@@ -76,11 +76,14 @@ class PageManager:
         table.pages.extend(pages)
         table.generations.extend(self.integrity.bump(pages))
 
-    def match_prefix(self, table: PageTable, tokens: list[int], num_tokens: int) -> int:
+    def match_prefix(
+        self, table: PageTable, tokens: list[int], num_tokens: int, multiple: int | None = None
+    ) -> int:
         """Attach cached pages that begin ``tokens`` to an empty table, keeping room for ``num_tokens``.
 
         Returns the number of tokens served from cache (0 when the pages the rest needs are not available;
-        then nothing is attached). At least one token is always left to compute, for its logits.
+        then nothing is attached): a multiple of ``multiple`` tokens (itself whole pages; default one
+        page). At least one token is always left to compute, for its logits.
         """
         if self.prefix_cache is None or table.pages:
             return 0
@@ -91,6 +94,8 @@ class PageManager:
             (len(tokens) - 1) // self.page_size,
             self.integrity.generation_of,
         )
+        per = (multiple or self.page_size) // self.page_size
+        hits = hits[: len(hits) // per * per]
         revived = sum(self.prefix_cache.is_evictable(page) for page, _, _ in hits)
         if self.pages_needed(num_tokens) - len(hits) > self.num_free - revived:
             return 0

@@ -73,6 +73,7 @@ def engine_config(spec: DeploymentSpec, pool: str, secret: bytes, device: str = 
         integrity_check=spec.integrity_check,
         prefix_cache=spec.prefix_cache,
         prefix_cache_secret=secret,
+        batch_invariant=spec.batch_invariant,
     )
 
 

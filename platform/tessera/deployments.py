@@ -77,6 +77,12 @@ class DeploymentConfig(BaseModel):
     )
     integrity_check: bool = _SPEC["integrity_check"]
     prefix_cache: bool = _SPEC["prefix_cache"]
+    batch_invariant: bool = Field(
+        _SPEC["batch_invariant"],
+        description="a seeded request gets the same tokens whatever else its steps hold (linears padded to "
+        "16 rows, prefill cut into fixed chunks): streamed or not, alone or among others; slower at small "
+        "batches",
+    )
     enabled: bool = True
 
     @field_validator("name")

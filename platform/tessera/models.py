@@ -123,6 +123,8 @@ class Deployment(Base):
     local_prefill_max_tokens: Mapped[int] = mapped_column(default=0)
     integrity_check: Mapped[bool]
     prefix_cache: Mapped[bool]
+    # A seeded request's tokens do not depend on the rest of its batch (engine/invariance.py).
+    batch_invariant: Mapped[bool] = mapped_column(default=False)
     enabled: Mapped[bool] = mapped_column(default=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

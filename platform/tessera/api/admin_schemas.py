@@ -178,6 +178,9 @@ class DeploymentUpdate(_Request):
     )
     integrity_check: StrictBool | None = None
     prefix_cache: StrictBool | None = None
+    batch_invariant: StrictBool | None = Field(
+        None, description="the same tokens for a seeded request whatever else runs beside it (slower)"
+    )
     enabled: StrictBool | None = None
 
 

@@ -100,6 +100,12 @@ def add_deployment_options(parser: argparse.ArgumentParser) -> None:
         default=unset,
         help="reuse a tenant's cached prompt pages",
     )
+    option(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=unset,
+        help="a seeded request gets the same tokens whatever runs beside it (slower at small batches)",
+    )
     enabled = parser.add_mutually_exclusive_group()
     enabled.add_argument(
         "--enable", dest="enabled", action="store_const", const=True, default=unset, help="serve requests"

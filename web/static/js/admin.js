@@ -8,7 +8,7 @@ const status = document.getElementById("status");
 const FIELDS = [
   "checkpoint", "mode", "dtype", "prefill_weights", "decode_weights", "prefill_kv", "decode_kv", "page_size",
   "kv_budget_bytes", "max_num_seqs", "max_model_len", "max_tokens_limit",
-  "local_prefill_max_tokens", "integrity_check", "prefix_cache",
+  "local_prefill_max_tokens", "integrity_check", "prefix_cache", "batch_invariant",
   "enabled",
 ];
 // The quota fields the server rendered from the API's schema (admin_schemas.Quotas).
