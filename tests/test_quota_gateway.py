@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -316,6 +318,8 @@ def test_a_tenant_beyond_its_in_flight_bound_is_refused_at_once_with_retry_after
         assert refused.json()["error"]["code"] == "out_of_capacity"
         assert "2 requests in flight" in refused.json()["error"]["message"]
         assert refused.headers["retry-after"] == "1"
+        # Refused before its body is read: headers alone get the 429 (the body never comes).
+        assert _status_with_no_body(gw.base, raw) == 429
         # Another tenant's requests are not held back by this one's.
         response = held.enter_context(
             httpx.stream("POST", f"{gw.base}/v1/completions", headers=auth(other), json=gw.body(stream=True))
@@ -327,6 +331,18 @@ def test_a_tenant_beyond_its_in_flight_bound_is_refused_at_once_with_retry_after
     gw.pools.script = reply()
     with gw.heartbeating():
         assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
+
+
+def _status_with_no_body(base: str, raw: str) -> int:
+    """The status answered to a completion request whose headers promise a body that is never sent."""
+    host, port = urlsplit(base).hostname, urlsplit(base).port
+    with socket.create_connection((host, port), timeout=20) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {raw}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        return int(sock.recv(4096).split(b" ", 2)[1])
 
 
 # -- every ending gives the slot back ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from celery import Celery
@@ -67,6 +67,9 @@ class Gateway:
     quotas: Quotas
     quota_lookup: QuotaLookup
     prices: PriceCache | None = None  # default: over the quota lookup's database
+    # The in-flight bound of each model this gateway has served: the largest is the bound ``attempt`` holds
+    # a tenant to across models before it reads a body.
+    in_flight_bounds: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.prices is None:
@@ -106,6 +109,7 @@ class Gateway:
         spec = prepared.model.spec
         started_at = utcnow()
         prompt_tokens = len(prepared.prompt_ids)
+        in_flight_limit = self.in_flight_bounds[spec.name] = self.in_flight_limit(spec)
 
         decision, held, price = await self.admit(
             caller,
@@ -115,7 +119,7 @@ class Gateway:
             prompt_tokens,
             prepared.n * prepared.sampling.max_tokens,
             rpm_counted=rpm_counted(request),
-            in_flight_limit=self.in_flight_limit(spec),
+            in_flight_limit=in_flight_limit,
         )
         streamed = False  # a stream settles when it ends; everything else settles here
         try:
@@ -244,6 +248,7 @@ class Gateway:
         """Count the request against its tenant's (and key's) rpm before its body is read or tokenised, so
         every request a tenant sends, refused later or not, takes its place in the window; over the limit, a
         429 (recorded as a rejection) that costs the gateway no parsing. ``admit`` then skips rpm."""
+        await self._check_in_flight(request_id(request), caller)
         scopes = self.quota_lookup.cached(caller.tenant_id, caller.key_id)
         if scopes is None:
             scopes = await run_in_threadpool(self.quota_lookup.scopes, caller.tenant_id, caller.key_id)
@@ -261,6 +266,29 @@ class Gateway:
             await self.recorder.reject(caller.tenant_id, caller.key_id, "", "rpm")
             raise APIError(429, decision.message(), decision.code, headers=decision.headers())
         request.scope["state"][RPM_COUNTED] = True
+
+    async def _check_in_flight(self, rid: str, caller: Caller) -> None:
+        """Refuse at once, before the body is read (so at the cost of one Redis read), a tenant that has as
+        many requests in flight, on all models together, as the largest in-flight bound of a model served
+        here: its request would be refused by that bound anyway, or wait behind its own. ``admit`` then holds
+        the exact per-model bound."""
+        bound = max(self.in_flight_bounds.values(), default=None)
+        if bound is None:
+            return
+        try:
+            held = await self.quotas.in_flight(Scope(in_flight_scope(ANY_MODEL, caller.tenant_id), Limits()))
+        except RedisError as e:
+            raise _quota_unavailable(rid, QuotaUnavailable(f"quota store unreachable: {e}")) from None
+        if held >= bound:
+            metrics.RATE_LIMITED.labels(limit="capacity").inc()
+            await self.recorder.reject(caller.tenant_id, caller.key_id, "", "capacity")
+            raise APIError(
+                429,
+                f"this tenant already has {held} requests in flight (queued or running), the most a model here "
+                "takes from one tenant; retry when one has ended",
+                "out_of_capacity",
+                headers={"Retry-After": "1"},
+            )
 
     async def admit(
         self,
@@ -289,6 +317,12 @@ class Gateway:
             scopes = [
                 *scopes,
                 Scope(in_flight_scope(model, caller.tenant_id), Limits(concurrency=in_flight_limit)),
+                # Its leases count the tenant's requests on every model (``_check_in_flight``); its limit,
+                # the per-model bounds together, never binds before theirs.
+                Scope(
+                    in_flight_scope(ANY_MODEL, caller.tenant_id),
+                    Limits(concurrency=max(in_flight_limit, sum(self.in_flight_bounds.values()))),
+                ),
             ]
         try:
             decision, reservation = await self.quotas.admit(
@@ -377,6 +411,7 @@ class Gateway:
 
 
 IN_FLIGHT = "in-flight:"
+ANY_MODEL = "*"  # the in-flight scope of a tenant's requests on all models together
 
 
 def in_flight_scope(model: str, tenant_id: str) -> str:
