@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from logging.config import fileConfig
 
+import tessera.deployments  # noqa: F401  (declares the deployments' tables on Base.metadata)
 from alembic import context
 from sqlalchemy.pool import NullPool
 from tessera.db import make_engine

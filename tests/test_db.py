@@ -19,8 +19,9 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Column, Integer, MetaData, Table, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 from tessera import db, deployments, tenancy
+from tessera.deployments import DeploymentAudit
 from tessera.errors import Conflict, InvalidConfig, NotFound
-from tessera.models import Base, DeploymentAudit, RequestRecord, Tenant
+from tessera.models import Base, RequestRecord, Tenant
 from tessera.records import record_request, settle_records
 from tessera.settings import Settings, get_settings
 from test_gateway import redis_url as redis_url  # a fixture: the local Redis, or an embedded one

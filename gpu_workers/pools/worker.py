@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import fields
 
 from celery.worker import state as celery_state
 
@@ -59,21 +60,23 @@ SECRET_ENV = "TESSERA_PREFIX_CACHE_SECRET"
 EXIT_ENGINE_FAILED = os.EX_SOFTWARE if hasattr(os, "EX_SOFTWARE") else 70
 
 
+# The knobs a deployment hands its engine as they are: the fields DeploymentSpec and EngineConfig share.
+ENGINE_FIELDS = tuple(
+    f.name for f in fields(DeploymentSpec) if f.name in {f.name for f in fields(EngineConfig)}
+)
+
+
 def engine_config(spec: DeploymentSpec, pool: str, secret: bytes, device: str = "cpu") -> EngineConfig:
-    """The engine a pool runs: decode stores the decode KV format, serve and prefill the prefill one."""
+    """The engine a pool runs: every ``DeploymentSpec`` field ``EngineConfig`` also has, by name (so a
+    worker-side knob is a field of both), and the pool's formats: decode stores the decode KV format and
+    loads the decode weights, serve and prefill the prefill ones."""
+    decode = pool == "decode"
     return EngineConfig(
-        dtype=spec.dtype,
-        kv_budget_bytes=spec.kv_budget_bytes,
-        page_size=spec.page_size,
-        max_num_seqs=spec.max_num_seqs,
-        max_model_len=spec.max_model_len,
+        **{name: getattr(spec, name) for name in ENGINE_FIELDS},
         device=device,
-        kv_cache_dtype=spec.decode_kv if pool == "decode" else spec.prefill_kv,
-        weights=spec.decode_weights if pool == "decode" else spec.prefill_weights,
-        integrity_check=spec.integrity_check,
-        prefix_cache=spec.prefix_cache,
+        kv_cache_dtype=spec.decode_kv if decode else spec.prefill_kv,
+        weights=spec.decode_weights if decode else spec.prefill_weights,
         prefix_cache_secret=secret,
-        batch_invariant=spec.batch_invariant,
     )
 
 

@@ -1,7 +1,8 @@
 """Deployments: the models tenants call and how their worker pools serve them. ``DeploymentConfig`` is the
-one place a deployment knob's name, type, default and validation live (the admin API's bodies, the CLI's
-flags and the database row follow its fields); create, update, get and list them here, each change audited in
-the deployment's own log and announced to its workers (``announce_config``, versioned by ``config_version``).
+one place a deployment knob's name, type, default, description and validation live (the admin API's bodies
+and the CLI's flags are derived from its fields; its tables, ``Deployment`` and ``DeploymentAudit``, are
+here beside it); create, update, get and list them here, each change audited in the deployment's own log
+and announced to its workers (``announce_config``, versioned by ``config_version``).
 Errors are ``tessera.errors`` ``ServiceError``s: ``NotFound``, ``Conflict``, ``InvalidConfig``.
 """
 
@@ -12,13 +13,14 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from redis import Redis, RedisError
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import BigInteger, Index, Integer, String, func, select
+from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from billing.pagination import Page, keyset, offset_page
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError
@@ -26,7 +28,7 @@ from gpu_workers.gguf_file import is_gguf
 from gpu_workers.protocol import DeploymentSpec, config_key, connect_redis
 from tessera.db import commit_unique
 from tessera.errors import Conflict, InvalidConfig, NotFound
-from tessera.models import Deployment, DeploymentAudit
+from tessera.models import Base, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -54,19 +56,39 @@ class DeploymentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(max_length=200)
-    checkpoint: str = Field(min_length=1, max_length=1000)
-    mode: Mode = _SPEC["mode"]
-    dtype: Dtype = _SPEC["dtype"]
-    prefill_kv: KVFormat = _SPEC["prefill_kv"]
-    decode_kv: KVFormat = _SPEC["decode_kv"]
-    prefill_weights: WeightFormat = _SPEC["prefill_weights"]
-    decode_weights: WeightFormat = _SPEC["decode_weights"]
-    page_size: int = _SPEC["page_size"]
-    kv_budget_bytes: int = Field(_SPEC["kv_budget_bytes"], gt=0, le=BIGINT_MAX)
-    max_num_seqs: int = Field(_SPEC["max_num_seqs"], gt=0, le=INT_MAX)
-    max_model_len: int | None = Field(_SPEC["max_model_len"], gt=0, le=INT_MAX)
-    max_tokens_limit: int = Field(4096, gt=0, le=INT_MAX)
+    name: str = Field(max_length=200, description="the model id tenants call, e.g. @tessera/demo")
+    checkpoint: str = Field(min_length=1, max_length=1000, description="checkpoint folder on the workers")
+    mode: Mode = Field(
+        _SPEC["mode"], description="disaggregated (prefill + decode pools) or colocated (one pool does both)"
+    )
+    dtype: Dtype = Field(_SPEC["dtype"], description="compute dtype; auto: bf16 where it is fast, else fp32")
+    prefill_kv: KVFormat = Field(
+        _SPEC["prefill_kv"], description="KV format prefill computes in; auto: the compute dtype, unquantised"
+    )
+    decode_kv: KVFormat = Field(
+        _SPEC["decode_kv"], description="KV format the decode pool stores (the hand-off converts)"
+    )
+    prefill_weights: WeightFormat = Field(_SPEC["prefill_weights"], description="prefill weight format")
+    decode_weights: WeightFormat = Field(_SPEC["decode_weights"], description="decode weight format")
+    page_size: int = Field(_SPEC["page_size"], description="tokens per KV page: a power of two, 1-1024")
+    kv_budget_bytes: int = Field(
+        _SPEC["kv_budget_bytes"],
+        gt=0,
+        le=BIGINT_MAX,
+        description="KV memory per worker, in bytes (the CLI also reads 512MiB, 8GiB)",
+    )
+    max_num_seqs: int = Field(
+        _SPEC["max_num_seqs"], gt=0, le=INT_MAX, description="requests a worker batches at most"
+    )
+    max_model_len: int | None = Field(
+        _SPEC["max_model_len"],
+        gt=0,
+        le=INT_MAX,
+        description="context length cap; null (the CLI's auto): the checkpoint's context length",
+    )
+    max_tokens_limit: int = Field(
+        4096, gt=0, le=INT_MAX, description="the most output tokens (max_tokens) one request may ask for"
+    )
     local_prefill_max_tokens: int = Field(
         0,
         ge=0,
@@ -75,15 +97,17 @@ class DeploymentConfig(BaseModel):
         "itself, with its formats, skipping the prefill pool and the KV hand-off (short prompts cost more to "
         "hand off than to prefill); 0: every prompt goes through the prefill pool",
     )
-    integrity_check: bool = _SPEC["integrity_check"]
-    prefix_cache: bool = _SPEC["prefix_cache"]
+    integrity_check: bool = Field(
+        _SPEC["integrity_check"], description="check KV page tags before every step reads the cache"
+    )
+    prefix_cache: bool = Field(_SPEC["prefix_cache"], description="reuse a tenant's cached prompt pages")
     batch_invariant: bool = Field(
         _SPEC["batch_invariant"],
         description="a seeded request gets the same tokens whatever else its steps hold (linears padded to "
         "16 rows, prefill cut into fixed chunks): streamed or not, alone or among others; slower at small "
         "batches",
     )
-    enabled: bool = True
+    enabled: bool = Field(True, description="serve requests; false: refuse them")
 
     @field_validator("name")
     @classmethod
@@ -113,6 +137,57 @@ class DeploymentConfig(BaseModel):
 
 
 EDITABLE_FIELDS = tuple(name for name in DeploymentConfig.model_fields if name != "name")
+
+
+class Deployment(Base):
+    """A model tenants can call and how its worker pools serve it: a column per ``DeploymentConfig`` field
+    (which says what each means and allows)."""
+
+    __tablename__ = "deployments"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    checkpoint: Mapped[str] = mapped_column(String(1000))
+    mode: Mapped[str] = mapped_column(String(20))
+    dtype: Mapped[str] = mapped_column(String(20))
+    prefill_kv: Mapped[str] = mapped_column(String(20))
+    decode_kv: Mapped[str] = mapped_column(String(20))
+    prefill_weights: Mapped[str] = mapped_column(String(20))
+    decode_weights: Mapped[str] = mapped_column(String(20))
+    page_size: Mapped[int]
+    kv_budget_bytes: Mapped[int] = mapped_column(BigInteger)
+    max_num_seqs: Mapped[int]
+    max_model_len: Mapped[int | None]
+    max_tokens_limit: Mapped[int]
+    local_prefill_max_tokens: Mapped[int] = mapped_column(default=0)
+    integrity_check: Mapped[bool]
+    prefix_cache: Mapped[bool]
+    batch_invariant: Mapped[bool] = mapped_column(default=False)
+    enabled: Mapped[bool] = mapped_column(default=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    def to_spec(self) -> DeploymentSpec:
+        """What a worker needs to serve this deployment: the columns ``DeploymentSpec`` names (the gateway-only
+        fields stay here)."""
+        return DeploymentSpec(**{f.name: getattr(self, f.name) for f in fields(DeploymentSpec)})
+
+    def __repr__(self) -> str:
+        return f"Deployment(name={self.name!r}, mode={self.mode!r}, enabled={self.enabled})"
+
+
+class DeploymentAudit(Base):
+    """One change to a deployment: who made it, when, and each field's old and new value."""
+
+    __tablename__ = "deployment_audit"
+    __table_args__ = (Index("ix_deployment_audit_deployment_created_at", "deployment", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # No foreign key: the audit log outlives the deployment it describes.
+    deployment: Mapped[str] = mapped_column(String(200))
+    actor: Mapped[str] = mapped_column(String(200))  # e.g. "cli:alice" or "key:ab12cd34"
+    action: Mapped[str] = mapped_column(String(20))  # create | update
+    changes: Mapped[dict[str, Any]]  # {field: [old, new]}; old is null on create
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 def validate_deployment(values: Mapping[str, Any] | DeploymentConfig) -> DeploymentConfig:

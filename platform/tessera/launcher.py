@@ -42,7 +42,7 @@ from gpu_workers.protocol import (
     workers_key,
 )
 from tessera import SHIPPED_MODEL_DIR, db, deployments, installed_smollm2, tenancy
-from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Deployment, Tenant
+from tessera.models import SCOPE_ADMIN, SCOPE_INFERENCE, Tenant
 from tessera.settings import RUNNING_REDIS_FILE, Settings
 from tessera.supervisor import Child, DataDirLock, Supervisor, alive, check_port_free, stop_pid
 
@@ -261,7 +261,7 @@ class Launcher:
     def ensure(
         self, session: Session, redis: Redis, name: str, checkpoint: Path, mode: str, extra: dict
     ) -> Served:
-        deployment = session.get(Deployment, name)
+        deployment = session.get(deployments.Deployment, name)
         if deployment is None:
             config = {"name": name, "checkpoint": str(checkpoint), "mode": mode, **extra}
             if name != EMBEDDING_MODEL:

@@ -1,5 +1,5 @@
-"""The control plane's tables: tenants, API keys (and their quotas), deployments (with their audit log) and
-request records.
+"""The control plane's tables: tenants, API keys (and their quotas), request records, the audit log and
+batches; the deployments' tables live beside their config, in ``tessera.deployments``.
 
 The schema is created by Alembic (``migrations/``); tests prove these models and the migrations agree.
 """
@@ -7,7 +7,6 @@ The schema is created by Alembic (``migrations/``); tests prove these models and
 from __future__ import annotations
 
 import uuid
-from dataclasses import fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,7 +22,6 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from billing.schema import UTCDateTime  # one definition for both packages' tables
-from gpu_workers.protocol import DeploymentSpec
 
 # Stable constraint names, so migrations can drop and alter them identically on SQLite and PostgreSQL.
 NAMING_CONVENTION = {
@@ -99,58 +97,6 @@ class ApiKey(Base):
 
     def __repr__(self) -> str:
         return f"ApiKey(prefix={self.prefix!r}, tenant_id={self.tenant_id!r}, scopes={self.scopes!r})"
-
-
-class Deployment(Base):
-    """A model tenants can call and how its worker pools serve it. Validated by ``tessera.tenancy``."""
-
-    __tablename__ = "deployments"
-
-    name: Mapped[str] = mapped_column(String(200), primary_key=True)  # the model id, e.g. "@tessera/demo"
-    checkpoint: Mapped[str] = mapped_column(String(1000))  # checkpoint folder on the worker hosts
-    mode: Mapped[str] = mapped_column(String(20))  # disaggregated | colocated
-    dtype: Mapped[str] = mapped_column(String(20))
-    prefill_kv: Mapped[str] = mapped_column(String(20))  # auto | bf16 | int8 | fp8_e4m3
-    decode_kv: Mapped[str] = mapped_column(String(20))
-    prefill_weights: Mapped[str] = mapped_column(String(20))  # bf16 | fp8 | int4
-    decode_weights: Mapped[str] = mapped_column(String(20))
-    page_size: Mapped[int]
-    kv_budget_bytes: Mapped[int] = mapped_column(BigInteger)
-    max_num_seqs: Mapped[int]
-    max_model_len: Mapped[int | None]
-    max_tokens_limit: Mapped[int]  # the most output tokens one request may ask for
-    # Prompts up to this many tokens skip the prefill pool: the decode pool prefills them itself (0: none).
-    local_prefill_max_tokens: Mapped[int] = mapped_column(default=0)
-    integrity_check: Mapped[bool]
-    prefix_cache: Mapped[bool]
-    # A seeded request's tokens do not depend on the rest of its batch (engine/invariance.py).
-    batch_invariant: Mapped[bool] = mapped_column(default=False)
-    enabled: Mapped[bool] = mapped_column(default=True)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
-
-    def to_spec(self) -> DeploymentSpec:
-        """What a worker needs to serve this deployment: the columns ``DeploymentSpec`` names (the gateway-only
-        fields stay here)."""
-        return DeploymentSpec(**{f.name: getattr(self, f.name) for f in fields(DeploymentSpec)})
-
-    def __repr__(self) -> str:
-        return f"Deployment(name={self.name!r}, mode={self.mode!r}, enabled={self.enabled})"
-
-
-class DeploymentAudit(Base):
-    """One change to a deployment: who made it, when, and each field's old and new value."""
-
-    __tablename__ = "deployment_audit"
-    __table_args__ = (Index("ix_deployment_audit_deployment_created_at", "deployment", "created_at"),)
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    # No foreign key: the audit log outlives the deployment it describes.
-    deployment: Mapped[str] = mapped_column(String(200))
-    actor: Mapped[str] = mapped_column(String(200))  # e.g. "cli:alice" or "key:ab12cd34"
-    action: Mapped[str] = mapped_column(String(20))  # create | update
-    changes: Mapped[dict[str, Any]]  # {field: [old, new]}; old is null on create
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class RequestRecord(Base):

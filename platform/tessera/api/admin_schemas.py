@@ -6,11 +6,18 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, field_validator
+from pydantic.fields import FieldInfo
 
-from tessera.deployments import DeploymentConfig, Dtype, KVFormat, Mode, WeightFormat, deployment_config
+from tessera.deployments import (
+    EDITABLE_FIELDS,
+    Deployment,
+    DeploymentAudit,
+    DeploymentConfig,
+    deployment_config,
+)
 from tessera.limits import Limits
-from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Deployment, DeploymentAudit, Tenant
+from tessera.models import SCOPE_INFERENCE, ApiKey, AuditEvent, Tenant
 
 T = TypeVar("T")
 
@@ -158,30 +165,21 @@ class KeyQuota(BaseModel):
 # --- deployments -----------------------------------------------------------------------------------------
 
 
-class DeploymentUpdate(_Request):
-    """The fields to change; every other field keeps its value. The whole resulting config is validated."""
+def _optional(field: FieldInfo) -> tuple[Any, FieldInfo]:
+    """A DeploymentConfig field as a change: unset or null by default, strict if a boolean (true or false
+    only, never 0 or "no"), its description kept. The whole resulting config is validated by
+    ``tessera.deployments``, so its constraints are checked there, once, with its messages."""
+    annotation = StrictBool if field.annotation is bool else field.annotation
+    return annotation | None, Field(None, description=field.description)
 
-    checkpoint: str | None = None
-    mode: Mode | None = None
-    dtype: Dtype | None = None
-    prefill_kv: KVFormat | None = None
-    decode_kv: KVFormat | None = None
-    prefill_weights: WeightFormat | None = None
-    decode_weights: WeightFormat | None = None
-    page_size: int | None = Field(None, description="tokens per KV page: a power of two, 1-1024")
-    kv_budget_bytes: int | None = None
-    max_num_seqs: int | None = None
-    max_model_len: int | None = Field(None, description="null: the checkpoint's context length")
-    max_tokens_limit: int | None = None
-    local_prefill_max_tokens: int | None = Field(
-        None, description="prompts up to this many tokens skip the prefill pool (0: none)"
-    )
-    integrity_check: StrictBool | None = None
-    prefix_cache: StrictBool | None = None
-    batch_invariant: StrictBool | None = Field(
-        None, description="the same tokens for a seeded request whatever else runs beside it (slower)"
-    )
-    enabled: StrictBool | None = None
+
+DeploymentUpdate = create_model(
+    "DeploymentUpdate",
+    __base__=_Request,
+    __doc__="The fields to change; every other field keeps its value. The whole resulting config is validated.",
+    __module__=__name__,
+    **{name: _optional(DeploymentConfig.model_fields[name]) for name in EDITABLE_FIELDS},
+)
 
 
 class DeploymentOut(DeploymentConfig):

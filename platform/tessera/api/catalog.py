@@ -20,10 +20,9 @@ from gpu_workers.checkpoint import ModelConfig, ModelLoadError
 from gpu_workers.encoder_checkpoint import EncoderConfig, EncoderTokenizer, is_encoder_checkpoint
 from gpu_workers.protocol import DeploymentSpec
 from gpu_workers.tokenizer import Tokenizer, load_tokenizer
-from tessera.deployments import DEPLOYMENT_NAME_RE
+from tessera.deployments import DEPLOYMENT_NAME_RE, Deployment, DeploymentConfig, deployment_config
 from tessera.errors import APIError
 from tessera.loading_cache import LoadingCache
-from tessera.models import Deployment
 
 T = TypeVar("T")
 
@@ -32,9 +31,8 @@ ROW_TTL_S = 5.0
 
 @dataclass(frozen=True)
 class Model:
-    spec: DeploymentSpec
-    max_tokens_limit: int
-    local_prefill_max_tokens: int  # prompts up to this long go straight to the decode pool (disaggregated)
+    spec: DeploymentSpec  # what its workers serve
+    config: DeploymentConfig  # the whole deployment: the gateway's own knobs (max_tokens_limit, ...) too
     context: int  # prompt + output tokens one request may hold
     vocab_size: int
     tokenizer: Tokenizer | None
@@ -43,6 +41,11 @@ class Model:
     # The most bytes of prompt text one token can stand for (None: no sound bound, see ``bytes_per_token``):
     # a prompt of more than ``context * bytes_per_token`` bytes cannot fit, and is refused untokenised.
     bytes_per_token: int | None = None
+
+    @property
+    def local_prefill_max_tokens(self) -> int:
+        """Prompts up to this long go straight to the decode pool (disaggregated); Gateway.serve reads it."""
+        return self.config.local_prefill_max_tokens
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,7 @@ class Catalog:
         context = min(spec.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         return Model(
             spec=spec,
-            max_tokens_limit=row.max_tokens_limit,
-            local_prefill_max_tokens=row.local_prefill_max_tokens,
+            config=deployment_config(row),
             context=context,
             vocab_size=config.vocab_size,
             tokenizer=tokenizer,
@@ -139,8 +141,7 @@ class Catalog:
         config, tokenizer = self._loaded(self._encoders, spec, load)
         return Model(
             spec=spec,
-            max_tokens_limit=0,
-            local_prefill_max_tokens=0,
+            config=deployment_config(row),
             context=config.max_seq_length,
             vocab_size=config.vocab_size,
             tokenizer=None,

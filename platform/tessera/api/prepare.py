@@ -54,10 +54,10 @@ def prepare(body: GenerationRequest, model: Model) -> Prepared:
         )
     room = context - len(prompt_ids)
     requested = body.requested_max_tokens()
-    if requested is not None and requested > model.max_tokens_limit:
+    if requested is not None and requested > model.config.max_tokens_limit:
         raise APIError(
             400,
-            f"max_tokens is {requested} but this model allows at most {model.max_tokens_limit} output tokens "
+            f"max_tokens is {requested} but this model allows at most {model.config.max_tokens_limit} output tokens "
             "per request; lower max_tokens",
             "max_tokens_too_large",
             param="max_tokens",
@@ -71,7 +71,7 @@ def prepare(body: GenerationRequest, model: Model) -> Prepared:
             param="max_tokens",
         )
     sampling = Sampling(
-        max_tokens=requested if requested is not None else min(model.max_tokens_limit, room),
+        max_tokens=requested if requested is not None else min(model.config.max_tokens_limit, room),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,

@@ -7,26 +7,48 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from tessera.cli.common import parse_bytes, parse_optional_int
 from tessera.cli.database import cli_actor, database_options, open_session
 from tessera.cli.output import cell, emit, json_default, json_option, rich_console
 
 if TYPE_CHECKING:  # imported inside the commands: SQLAlchemy, pydantic and rich would slow every `tessera`
-    from tessera.models import Deployment, DeploymentAudit
+    from tessera.deployments import Deployment, DeploymentAudit
+
+
+class DeploymentParser(argparse.ArgumentParser):
+    """A ``tessera deployments`` command. With ``deployment_flags`` it takes the deployment fields as flags,
+    added when the command is parsed: they are derived from ``DeploymentConfig``, whose pydantic and
+    SQLAlchemy imports every other ``tessera`` command goes without."""
+
+    def __init__(
+        self, *args: Any, deployment_flags: bool = False, checkpoint_required: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.deployment_flags, self.checkpoint_required = deployment_flags, checkpoint_required
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self.deployment_flags:
+            add_deployment_options(self, checkpoint_required=self.checkpoint_required)
+            self.deployment_flags = False
+        return super().parse_known_args(args, namespace)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     common, as_json = database_options(), json_option()
     deployments = subparsers.add_parser("deployments", help="create, list, show, update deployments")
-    dep_commands = deployments.add_subparsers(dest="deployments_command", required=True, metavar="ACTION")
+    dep_commands = deployments.add_subparsers(
+        dest="deployments_command", required=True, metavar="ACTION", parser_class=DeploymentParser
+    )
     create = dep_commands.add_parser(
-        "create", parents=[common, as_json], help="create a deployment (a model tenants can call)"
+        "create",
+        parents=[common, as_json],
+        help="create a deployment (a model tenants can call)",
+        deployment_flags=True,
+        checkpoint_required=True,
     )
     create.add_argument("name", metavar="NAME", help="the model id tenants call, e.g. @tessera/demo")
-    create.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint folder on the workers")
-    add_deployment_options(create)
     create.set_defaults(func=cmd_deployments_create)
     listing = dep_commands.add_parser("list", parents=[common, as_json], help="list deployments")
     listing.set_defaults(func=cmd_deployments_list)
@@ -39,86 +61,64 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     show.set_defaults(func=cmd_deployments_show)
     update = dep_commands.add_parser(
-        "update", parents=[common, as_json], help="change a deployment's config (validated and audited)"
+        "update",
+        parents=[common, as_json],
+        help="change a deployment's config (validated and audited)",
+        deployment_flags=True,
     )
     update.add_argument("name", metavar="NAME")
-    update.add_argument(
-        "--checkpoint", default=argparse.SUPPRESS, metavar="DIR", help="checkpoint folder on the workers"
-    )
-    add_deployment_options(update)
     update.set_defaults(func=cmd_deployments_update)
 
 
-def add_deployment_options(parser: argparse.ArgumentParser) -> None:
-    """The editable deployment fields as flags. An unset flag leaves no attribute (create: the default;
-    update: unchanged). Values are validated by ``tessera.tenancy``, which names the allowed ones."""
+def add_deployment_options(parser: argparse.ArgumentParser, checkpoint_required: bool = False) -> None:
+    """A flag per editable ``DeploymentConfig`` field: its name with dashes, its description (and default)
+    as help. An unset flag leaves no attribute (create: the default; update: unchanged). Values are
+    validated by ``tessera.deployments``, which lists every problem and names the allowed values."""
+    from tessera.deployments import EDITABLE_FIELDS, DeploymentConfig
+
     unset = argparse.SUPPRESS
-    option = parser.add_argument
-    option("--mode", default=unset, help="disaggregated (prefill + decode pools; default) or colocated")
-    option("--dtype", default=unset, help="compute dtype: auto (default), bfloat16, float16 or float32")
-    option(
-        "--prefill-kv",
-        default=unset,
-        help="KV format prefill computes in: auto (default), bf16, int8, fp8_e4m3",
-    )
-    option(
-        "--decode-kv",
-        default=unset,
-        help="KV format the decode pool stores: int8 (default), fp8_e4m3, bf16, auto",
-    )
-    option("--prefill-weights", default=unset, help="prefill weight format: bf16 (default), fp8, int4")
-    option("--decode-weights", default=unset, help="decode weight format: bf16 (default), fp8, int4")
-    option("--page-size", type=int, default=unset, metavar="P", help="tokens per KV page, a power of two")
-    option("--kv-budget-bytes", type=parse_bytes, default=unset, metavar="B", help="KV memory, e.g. 512MiB")
-    option("--max-num-seqs", type=int, default=unset, metavar="N", help="requests a worker batches at most")
-    option(
-        "--max-model-len",
-        type=parse_optional_int,
-        default=unset,
-        metavar="N",
-        help="context length cap; 'auto' = the model's own",
-    )
-    option(
-        "--max-tokens-limit", type=int, default=unset, metavar="N", help="most max_tokens one request may ask"
-    )
-    option(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=unset,
-        metavar="N",
-        help="prompts of at most N tokens skip the prefill pool: the decode pool prefills them (0: none)",
-    )
-    option(
-        "--integrity-check",
-        action=argparse.BooleanOptionalAction,
-        default=unset,
-        help="check KV page tags before cache reads",
-    )
-    option(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        default=unset,
-        help="reuse a tenant's cached prompt pages",
-    )
-    option(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=unset,
-        help="a seeded request gets the same tokens whatever runs beside it (slower at small batches)",
-    )
-    enabled = parser.add_mutually_exclusive_group()
-    enabled.add_argument(
-        "--enable", dest="enabled", action="store_const", const=True, default=unset, help="serve requests"
-    )
-    enabled.add_argument(
-        "--disable", dest="enabled", action="store_const", const=False, default=unset, help="refuse requests"
-    )
-    option(
+    for name in EDITABLE_FIELDS:
+        field = DeploymentConfig.model_fields[name]
+        flag, help_ = f"--{name.replace('_', '-')}", field.description
+        if field.default is not None and not field.is_required():
+            help_ = f"{help_} (default: {str(field.default).lower()})"
+        if name == "enabled":  # --enable / --disable read better than --enabled / --no-enabled
+            enabled = parser.add_mutually_exclusive_group()
+            enabled.add_argument(
+                "--enable", dest=name, action="store_const", const=True, default=unset, help="serve requests"
+            )
+            enabled.add_argument(
+                "--disable",
+                dest=name,
+                action="store_const",
+                const=False,
+                default=unset,
+                help="refuse requests",
+            )
+        elif field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=unset, help=help_)
+        elif name == "checkpoint":
+            parser.add_argument(flag, required=checkpoint_required, default=unset, metavar="DIR", help=help_)
+        else:
+            parser.add_argument(flag, default=unset, help=help_, **_value_options(name, field.annotation))
+    parser.add_argument(
         "--no-checkpoint-check",
         dest="check_checkpoint",
         action="store_false",
         help="skip checking the checkpoint folder (when it exists only on the worker hosts)",
     )
+
+
+def _value_options(name: str, annotation: Any) -> dict[str, Any]:
+    """How a flag reads its value. A choice is not checked here, so that a bad one is reported with every
+    other problem of the config."""
+    if annotation is int and name.endswith("_bytes"):
+        return {"type": parse_bytes, "metavar": "B"}
+    if annotation is int:
+        return {"type": int, "metavar": "N"}
+    if annotation == int | None:
+        return {"type": parse_optional_int, "metavar": "N"}  # auto: null
+    return {"metavar": "{" + ",".join(get_args(annotation)) + "}"}
 
 
 def cmd_deployments_create(args: argparse.Namespace) -> None:

@@ -5,12 +5,8 @@ import { ApiError, api, cell, fmt, markReady, query, row, showError } from "./ap
 const PAGE = 200;
 const POOLS_EVERY_MS = 5000;
 const status = document.getElementById("status");
-const FIELDS = [
-  "checkpoint", "mode", "dtype", "prefill_weights", "decode_weights", "prefill_kv", "decode_kv", "page_size",
-  "kv_budget_bytes", "max_num_seqs", "max_model_len", "max_tokens_limit",
-  "local_prefill_max_tokens", "integrity_check", "prefix_cache", "batch_invariant",
-  "enabled",
-];
+// The deployment fields the form edits: its named inputs (admin.html), in the form's order.
+const FIELDS = [...document.getElementById("deployment-form").elements].map((input) => input.name).filter(Boolean);
 // The quota fields the server rendered from the API's schema (admin_schemas.Quotas).
 const QUOTAS = [...document.querySelectorAll("#quotas-form input")].map((input) => input.name);
 let quotaKey = null;
