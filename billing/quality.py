@@ -47,8 +47,11 @@ from billing.upserts import add_to_sums, insert_for
 # bucket 0 is [0, 1 ms), bucket len(BOUNDS) is [100 s, inf).
 BOUNDS: tuple[float, ...] = tuple(1e-3 * 10 ** (i / 6) for i in range(31))
 METRICS = ("ttft", "tpot")
-# The limits a 429 names: limits.LIMITS in tessera, and "capacity" for a busy model asked to reject.
-LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens", "monthly_spend", "capacity")
+# The limits a refusal names: limits.LIMITS in tessera, "capacity" for a busy model asked to reject or a
+# tenant at its in-flight bound, "overload" for a request the API could not admit in time (503).
+LIMITS = (
+    "rpm", "tpm", "concurrency", "daily_tokens", "monthly_tokens", "monthly_spend", "capacity", "overload",
+)  # fmt: skip
 FLUSH_KEEP = timedelta(days=7)  # how long a flush token is remembered (an in-flight batch lives seconds)
 
 

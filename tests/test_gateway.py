@@ -200,6 +200,7 @@ def stack(tmp_path_factory, demo_model_dir, redis_url):
         redis_url=redis_url,
         secret_key="gateway-test-secret-" * 3,
         records_stream=records_stream,
+        admission_wait_s=300.0,  # concurrency tests on a loaded machine: admitted late, never shed
     )
     db.upgrade(settings.database_url)
     sessions = db.session_factory(db.make_engine(settings.database_url))

@@ -111,6 +111,9 @@ def stack(tmp_path_factory, demo_model_dir):
         redis_url=REDIS_URL,
         secret_key="quota-gateway-test-secret-" * 2,
         records_stream=f"tessera:test:records:{uuid.uuid4().hex}",
+        # Hundreds of requests at once on a loaded 2-core machine may wait seconds to be admitted: these
+        # tests prove what happens to admitted ones, not the overload refusal (tested on its own).
+        admission_wait_s=300.0,
     )
     db.upgrade(settings.database_url)
     sessions = db.session_factory(db.make_engine(settings.database_url))
@@ -333,6 +336,22 @@ def test_a_tenant_beyond_its_in_flight_bound_is_refused_at_once_with_retry_after
         assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
 
 
+def test_a_request_not_admitted_within_the_admission_wait_is_refused_overloaded(gw, monkeypatch):
+    _, tenant_id, raw = gw.tenant()
+    # Every request has waited longer than this by the time it is tokenised: the API counts as overloaded.
+    monkeypatch.setattr(gw.settings, "admission_wait_s", 1e-9)
+    refused = httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body())
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert "more than its bound of 1e-09s" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1"
+    leases = Scope(in_flight_scope(gw.model, tenant_id), Limits()).key("leases")
+    assert gw.pools.redis.zcard(leases) == 0  # nothing was admitted or reserved
+    monkeypatch.setattr(gw.settings, "admission_wait_s", 2.0)
+    with gw.heartbeating():
+        assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
+
+
 def _status_with_no_body(base: str, raw: str) -> int:
     """The status answered to a completion request whose headers promise a body that is never sent."""
     host, port = urlsplit(base).hostname, urlsplit(base).port
@@ -438,6 +457,7 @@ def _replica_env(stack: Stack, **settings: str) -> dict[str, str]:
         "TESSERA_REDIS_URL": REDIS_URL,
         "TESSERA_SECRET_KEY": stack.settings.secret_key.get_secret_value(),
         "TESSERA_RECORDS_STREAM": stack.settings.records_stream,
+        "TESSERA_ADMISSION_WAIT_S": str(stack.settings.admission_wait_s),
         **{f"TESSERA_{name.upper()}": value for name, value in settings.items()},
     }
 

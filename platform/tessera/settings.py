@@ -64,6 +64,10 @@ class Settings(BaseSettings):
     # what a tenant admits can all run at once on one worker; beyond it a request would only wait behind the
     # tenant's own, its time to first token growing with the queue, so it is refused at once (429, Retry-After).
     tenant_in_flight_batches: float = Field(1.0, gt=0)
+    # A generation request not admitted within this many seconds of arriving (the API busy with others) is
+    # refused (503 overloaded, Retry-After) rather than admitted late: what the gateway admits then starts
+    # within this of its arrival, so an overloaded API sheds instead of growing every request's latency.
+    admission_wait_s: float = Field(2.0, gt=0)
     batch_max_body_bytes: int = Field(10_000_000, ge=1)
     batch_max_queue_depth: int = Field(1, ge=1)
     batch_concurrency: int = Field(4, ge=1)

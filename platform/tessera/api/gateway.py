@@ -31,6 +31,7 @@ from tessera import records, responses, routing, streaming
 from tessera.api.catalog import Catalog, Model
 from tessera.api.deps import Caller
 from tessera.api.errors import request_id
+from tessera.api.guard import ARRIVED
 from tessera.api.prepare import Prepared, prepare
 from tessera.api.schemas import GenerationRequest
 from tessera.choices import choice_events, choice_seed, collect_choices, combined
@@ -110,6 +111,7 @@ class Gateway:
         started_at = utcnow()
         prompt_tokens = len(prepared.prompt_ids)
         in_flight_limit = self.in_flight_bounds[spec.name] = self.in_flight_limit(spec)
+        await self._check_waited(request, caller, spec.name)
 
         decision, held, price = await self.admit(
             caller,
@@ -266,6 +268,26 @@ class Gateway:
             await self.recorder.reject(caller.tenant_id, caller.key_id, "", "rpm")
             raise APIError(429, decision.message(), decision.code, headers=decision.headers())
         request.scope["state"][RPM_COUNTED] = True
+
+    async def _check_waited(self, request: Request, caller: Caller, model: str) -> None:
+        """Refuse a request that arrived more than ``admission_wait_s`` ago and is not admitted yet: the
+        API is busier than it can serve in time, and admitting it late would only add to every stream's
+        latency (503 overloaded, Retry-After 1, recorded as a rejection; nothing was reserved)."""
+        arrived = request.scope.get("state", {}).get(ARRIVED)
+        if arrived is None:
+            return  # not an HTTP request (a batch item)
+        waited = asyncio.get_running_loop().time() - arrived
+        if waited <= self.settings.admission_wait_s:
+            return
+        metrics.RATE_LIMITED.labels(limit="overload").inc()
+        await self.recorder.reject(caller.tenant_id, caller.key_id, model, "overload")
+        raise APIError(
+            503,
+            f"the API is overloaded: this request waited {waited:.1f}s to be admitted, more than its bound of "
+            f"{self.settings.admission_wait_s:g}s; retry shortly",
+            "overloaded",
+            headers={"Retry-After": "1"},
+        )
 
     async def _check_in_flight(self, rid: str, caller: Caller) -> None:
         """Refuse at once, before the body is read (so at the cost of one Redis read), a tenant that has as

@@ -26,6 +26,7 @@ from tessera.responses import workers_ai_error
 log = logging.getLogger(__name__)
 
 DISCONNECT: Message = {"type": "http.disconnect"}
+ARRIVED = "arrived"  # the request's state key: the event loop's time when its headers had arrived
 
 
 class Drain:
@@ -73,6 +74,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         request = Guarded(scope, receive, send, self.body_timeout_s)
+        scope.setdefault("state", {})[ARRIVED] = request.arrived
         self.drain.requests.add(request)
         try:
             await self.app(scope, request.receive, request.send)
@@ -96,7 +98,8 @@ class Guarded:
         self._receive = receive
         self._send = send
         self.body_timeout_s = body_timeout_s
-        self.body_deadline = asyncio.get_running_loop().time() + body_timeout_s
+        self.arrived = asyncio.get_running_loop().time()
+        self.body_deadline = self.arrived + body_timeout_s
         self.body_read = False
         self.timed_out = False
         self.started = False  # the response's status line went out
