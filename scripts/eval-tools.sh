@@ -3,7 +3,8 @@
 # colocated deployment (and worker) per variant beside the default disaggregated one, then the suite on each.
 #   scripts/eval-tools.sh [eval tools options...]   e.g. --mode required --limit 20
 # Variants: bf16 (bf16 KV, weights dequantised to bf16), fp8kv (FP8-e4m3 KV), int8kv (INT8 KV, the default
-# decode format) and int4 (the GGUF's own Q4_1 weights, bf16 KV).
+# decode format) and int4 (the GGUF's own Q4_1 weights, bf16 KV). DEPLOY_FLAGS go to every deployment,
+# the default one included (e.g. DEPLOY_FLAGS=--batch-invariant).
 set -euo pipefail
 DATA=$(mktemp -d)
 echo "data dir (logs): $DATA" >&2
@@ -26,11 +27,31 @@ KEY=$(sed -n 's/^API key: \(\S*\)$/\1/p' "$DATA/up.log" | head -1)
 SOCKET=$(sed -n 's/.*embedded Redis: socket \(\S*\) (pid.*/\1/p' "$DATA/up.log" | head -1)
 GGUF=$(python -c "import tessera; print(tessera.installed_smollm2())")
 MODELS=(--model "default=@hf/smollm2-135m-instruct")
+if [ -n "${DEPLOY_FLAGS:-}" ]; then
+    # The default deployment's workers reload on the new config; the readiness loop below waits for them.
+    tessera deployments update @hf/smollm2-135m-instruct --data-dir "$DATA" $DEPLOY_FLAGS >/dev/null
+    python - "$PORT" "$KEY" <<'EOF'
+import sys, time, httpx
+port, key = sys.argv[1], sys.argv[2]
+name = "@hf/smollm2-135m-instruct"
+for _ in range(300):  # until both pools' workers serve config version 2 (none draining)
+    pools = httpx.get(f"http://127.0.0.1:{port}/admin/pools", headers={"Authorization": f"Bearer {key}"},
+                      timeout=60).json()["data"]
+    mine = [p for p in pools if p["deployment"] == name]
+    workers = {(w["config_version"], w["draining"]) for p in mine for w in p["workers"]}
+    if sum(1 for p in mine if p["live_workers"]) == 2 and workers == {(2, False)}:
+        break
+    time.sleep(1)
+else:
+    sys.exit("the default deployment's workers did not reload")
+EOF
+fi
 for variant in $VARIANTS; do
     IFS=: read -r label kv weights <<<"$variant"
     name="@eval/smollm2-$label"
     tessera deployments create "$name" --data-dir "$DATA" --checkpoint "$GGUF" --mode colocated \
-        --prefill-kv "$kv" --prefill-weights "$weights" --max-num-seqs 16 --max-tokens-limit 4096 >/dev/null
+        --prefill-kv "$kv" --prefill-weights "$weights" --max-num-seqs 16 --max-tokens-limit 4096 \
+        ${DEPLOY_FLAGS:-} >/dev/null
     TESSERA_DATA_DIR="$DATA" TESSERA_REDIS_URL="redis+socket://$SOCKET" TESSERA_DATABASE_URL="sqlite:///$DATA/tessera.db" \
         OMP_NUM_THREADS=2 tessera worker --deployment "$name" --pool serve >"$DATA/worker-$label.log" 2>&1 &
     WORKERS+=($!)

@@ -125,6 +125,9 @@ def start_up(data_dir: Path, port: int | None = None, wait: bool = True) -> Up:
     """Run ``tessera up`` on a free port and read its output until it says it is up (or exits)."""
     port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    # Sixteen requests at once beside two model workers and another test process on two cores may wait
+    # seconds to be admitted: these tests prove what admitted requests get, not the overload refusal.
+    env["TESSERA_ADMISSION_WAIT_S"] = "60"
     command = [sys.executable, "-m", "tessera.cli", "up", "--port", str(port), "--data-dir", str(data_dir)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     up = Up(process, data_dir, port)

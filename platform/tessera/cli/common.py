@@ -152,6 +152,13 @@ def add_engine_args(parser: argparse.ArgumentParser, default_dtype: str | None) 
         help="replay decode steps from CUDA graphs, one per batch-size bucket (for CUDA; keeps one KV page "
         "aside)",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="a seeded request gets the same tokens whatever else runs beside it (linears padded to 16 rows, "
+        "prefill in fixed chunks; slower at small batches)",
+    )
 
 
 ENGINE_FLAGS = (
@@ -163,6 +170,7 @@ ENGINE_FLAGS = (
     "weights",
     "integrity_check",
     "cuda_graphs",
+    "batch_invariant",
 )
 
 
