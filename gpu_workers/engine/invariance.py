@@ -4,7 +4,8 @@ A deployment opts in (``EngineConfig.batch_invariant``) when a fixed seed must g
 a request runs alone or among others, streamed or not. Two things otherwise vary with the batch: a GEMM's
 kernel, chosen by the number of rows (``PaddedLinears`` pads every linear to ``MIN_ROWS`` rows), and where a
 prompt's prefill is cut into chunks (the scheduler cuts at multiples of ``chunk_tokens`` and takes a
-prefix-cache hit only up to one).
+prefix-cache hit only up to one). Not covered: a preempted sequence is recomputed with its generated tokens
+as prompt chunks, which may move its later tokens, so such a deployment wants KV for its ``max_num_seqs``.
 """
 
 from __future__ import annotations
