@@ -34,14 +34,15 @@ def _run(engine: Engine, tenant: str, before: list[list[int]], prompt: list[int]
     return tokens, logprobs, cached
 
 
+# INT8 KV, the default decode format: where the default engine's chunk boundaries move logits most (a later
+# chunk reads the earlier ones' KV quantised).
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_a_seeded_request_is_the_same_bits_alone_among_others_and_from_the_prefix_cache(kv):
+def test_a_seeded_request_is_the_same_bits_alone_among_others_and_from_the_prefix_cache():
     engine = Engine.from_pretrained(
         smollm2_path(),
         EngineConfig(
             dtype="float32",
-            kv_cache_dtype=kv,
+            kv_cache_dtype="int8",
             batch_invariant=True,
             max_num_batched_tokens=256,
             kv_budget_bytes=48 * 2**20,
