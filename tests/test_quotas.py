@@ -193,6 +193,29 @@ def test_a_request_that_fails_before_any_token_releases_its_whole_reservation():
     assert run(go()).admitted
 
 
+def test_a_request_settled_to_nothing_leaves_the_window_without_breaking_admission():
+    # Settled to 0 tokens, it leaves the tpm window while others keep the window's keys alive: the admission
+    # that expires it takes 0 off the window's total (once Lua's -0, which Redis refuses as "not an integer":
+    # every later admission of the scope failed, a 503 for its tenant).
+    async def go():
+        sc = scope(tpm=100_000)
+        async with connect() as redis:
+            quotas = Quotas(redis, window_ms=500)
+            _, reservation = await quotas.admit("a", [sc], 100)
+            await quotas.settle(reservation, 0)
+            start = time.monotonic()
+            decisions = []
+            while time.monotonic() - start < 0.8:  # admissions every 50 ms, so the keys never expire
+                decisions.append((await quotas.admit(uuid.uuid4().hex, [sc], 100))[0])
+                await asyncio.sleep(0.05)
+            amounts = sc.key("tpm:amounts")
+            return decisions, await redis.exists(amounts), await redis.hexists(amounts, "a")
+
+    decisions, window_alive, a_still_there = run(go())
+    assert all(d.admitted for d in decisions)
+    assert window_alive and not a_still_there  # "a" left the window through an admission
+
+
 def test_concurrent_requests_never_overspend_a_daily_budget():
     decisions = run(_admit_many(scope(daily_tokens=1000), 100, tokens=30))
     assert sum(d.admitted for d in decisions) == 33

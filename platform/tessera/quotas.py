@@ -61,7 +61,7 @@ local function expire_tokens(log, amounts)
   local old = redis.call('ZRANGEBYSCORE', log, '-inf', now - window)
   for _, member in ipairs(old) do
     local n = tonumber(redis.call('HGET', amounts, member) or '0')
-    redis.call('HINCRBY', amounts, '__total', -n)
+    if n ~= 0 then redis.call('HINCRBY', amounts, '__total', -n) end  -- Lua's -0 is not an integer to Redis
     redis.call('HDEL', amounts, member)
   end
   if #old > 0 then redis.call('ZREMRANGEBYSCORE', log, '-inf', now - window) end
