@@ -347,7 +347,7 @@ def test_a_request_not_admitted_within_the_admission_wait_is_refused_overloaded(
     assert refused.headers["retry-after"] == "1"
     leases = Scope(in_flight_scope(gw.model, tenant_id), Limits()).key("leases")
     assert gw.pools.redis.zcard(leases) == 0  # nothing was admitted or reserved
-    monkeypatch.setattr(gw.settings, "admission_wait_s", 2.0)
+    monkeypatch.setattr(gw.settings, "admission_wait_s", 10.0)
     with gw.heartbeating():
         assert httpx.post(f"{gw.base}/v1/completions", headers=auth(raw), json=gw.body()).status_code == 200
 

@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     # A generation request not admitted within this many seconds of arriving (the API busy with others) is
     # refused (503 overloaded, Retry-After) rather than admitted late: what the gateway admits then starts
     # within this of its arrival, so an overloaded API sheds instead of growing every request's latency.
-    admission_wait_s: float = Field(2.0, gt=0)
+    admission_wait_s: float = Field(10.0, gt=0)
     batch_max_body_bytes: int = Field(10_000_000, ge=1)
     batch_max_queue_depth: int = Field(1, ge=1)
     batch_concurrency: int = Field(4, ge=1)
