@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from gpu_workers.checkpoint import ModelConfig
+from gpu_workers.kernels.rotary import apply_rotary
 from gpu_workers.model.llama import LlamaForCausalLM
 from gpu_workers.tools.train.data import BOS_ID, EOS_ID, PAD_ID
 
@@ -50,7 +51,13 @@ class CausalAttention:
         v: torch.Tensor,
         scale: float,
         sliding_window: int | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None:
+            raise ValueError("CausalAttention attends over the whole block; it has no sliding window")
+        if rotary is not None:  # q and k still to be rotated, as the engine's attention takes them
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (
             t.view(self.batch, self.seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)
         )
