@@ -68,8 +68,8 @@ class Gateway:
     quotas: Quotas
     quota_lookup: QuotaLookup
     prices: PriceCache | None = None  # default: over the quota lookup's database
-    # The in-flight bound of each model this gateway has served: the largest is the bound ``attempt`` holds
-    # a tenant to across models before it reads a body.
+    # The in-flight bound of each model this gateway has served: together, the bound ``attempt`` holds a
+    # tenant to across models before it reads a body.
     in_flight_bounds: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -246,11 +246,14 @@ class Gateway:
             if not streamed:
                 await held.settle()
 
-    async def attempt(self, request: Request, caller: Caller) -> None:
+    async def attempt(self, request: Request, caller: Caller, generation: bool = True) -> None:
         """Count the request against its tenant's (and key's) rpm before its body is read or tokenised, so
         every request a tenant sends, refused later or not, takes its place in the window; over the limit, a
-        429 (recorded as a rejection) that costs the gateway no parsing. ``admit`` then skips rpm."""
-        await self._check_in_flight(request_id(request), caller)
+        429 (recorded as a rejection) that costs the gateway no parsing. ``admit`` then skips rpm.
+        ``generation``: the body can only be a generation, so a tenant at its in-flight bound is refused
+        here too (``_check_in_flight``); a route whose body may poll or queue a batch passes False."""
+        if generation:
+            await self._check_in_flight(request_id(request), caller)
         scopes = self.quota_lookup.cached(caller.tenant_id, caller.key_id)
         if scopes is None:
             scopes = await run_in_threadpool(self.quota_lookup.scopes, caller.tenant_id, caller.key_id)
@@ -291,11 +294,11 @@ class Gateway:
 
     async def _check_in_flight(self, rid: str, caller: Caller) -> None:
         """Refuse at once, before the body is read (so at the cost of one Redis read), a tenant that has as
-        many requests in flight, on all models together, as the largest in-flight bound of a model served
-        here: its request would be refused by that bound anyway, or wait behind its own. ``admit`` then holds
-        the exact per-model bound."""
-        bound = max(self.in_flight_bounds.values(), default=None)
-        if bound is None:
+        many requests in flight, on all models together, as the in-flight bounds of the models served here
+        add up to: whatever its body names, that model's bound is reached. ``admit`` then holds the exact
+        per-model bound."""
+        bound = sum(self.in_flight_bounds.values())
+        if bound == 0:
             return
         try:
             held = await self.quotas.in_flight(Scope(in_flight_scope(ANY_MODEL, caller.tenant_id), Limits()))
@@ -306,8 +309,8 @@ class Gateway:
             await self.recorder.reject(caller.tenant_id, caller.key_id, "", "capacity")
             raise APIError(
                 429,
-                f"this tenant already has {held} requests in flight (queued or running), the most a model here "
-                "takes from one tenant; retry when one has ended",
+                f"this tenant already has {held} requests in flight (queued or running), every model's bound "
+                "together; retry when one has ended",
                 "out_of_capacity",
                 headers={"Retry-After": "1"},
             )
@@ -343,7 +346,7 @@ class Gateway:
                 # the per-model bounds together, never binds before theirs.
                 Scope(
                     in_flight_scope(ANY_MODEL, caller.tenant_id),
-                    Limits(concurrency=max(in_flight_limit, sum(self.in_flight_bounds.values()))),
+                    Limits(concurrency=sum(self.in_flight_bounds.values())),
                 ),
             ]
         try:

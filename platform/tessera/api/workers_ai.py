@@ -101,7 +101,8 @@ class EnvelopeRoute(APIRoute):
                     # Auth and the attempt against rpm before the body (up to 10 MB for a batch) is read and
                     # parsed; the handler's own auth is then a cache hit.
                     caller = await account_caller(request, request.path_params["account_id"])
-                    await gateway(request).attempt(request, caller)
+                    # Its body may poll a batch rather than generate: the in-flight bound waits for admission.
+                    await gateway(request).attempt(request, caller, generation=False)
                 return await handler(await _as_json(request))
             except APIError as e:
                 return error_response(e)
