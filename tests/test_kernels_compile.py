@@ -163,6 +163,26 @@ def test_kv_write_and_paged_attention_compile_for_hopper(launches, kv_dtype, dty
     assert compile_all(launches) == {write, "_decode_split_kernel", "_merge_splits_kernel"}
 
 
+def test_decode_attention_compiles_for_every_tile_shape(launches):
+    # Page size 16 (above) is one tile per page; pages narrower than a tile (each position's page and scales)
+    # and pages of several tiles (the tile's offset in its page) are other code, with a window, per format.
+    q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    for page_size in (4, 64):
+        slots, tables = 4 * 64, torch.zeros(2, 64 // page_size, dtype=torch.int32)
+        scales = torch.ones(slots // page_size)
+        for k in (
+            torch.zeros(slots, 2, 64, dtype=torch.bfloat16),
+            torch.zeros(slots, 2, 64, dtype=torch.uint8),
+            torch.zeros(slots, 2, 66, dtype=torch.int8),
+        ):
+            fp8 = (scales, scales) if k.dtype == torch.uint8 else (None, None)
+            paged_attention_triton.paged_decode_attention_triton(
+                q, k, k, tables, lens, page_size, 0.125, 8, *fp8
+            )
+    assert compile_all(launches) == {"_decode_split_kernel", "_merge_splits_kernel"}
+
+
 def test_fused_decode_layer_kernels_compile_for_hopper(launches):
     # add + RMSNorm with and without a residual; q/k/v rotated and written for BF16 and INT8 (Hadamard)
     # caches, from bf16 (what a GPU engine computes in) and fp32, a head size that is not a power of two.

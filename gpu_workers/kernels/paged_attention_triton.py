@@ -2,15 +2,19 @@
 
 Program (sequence b, KV head h, split s) computes the query heads that share KV head h together (GQA: the
 KV tile is read once for all of them, padded to 16 rows for ``tl.dot``), over split s of the sequence's
-positions, with an online softmax. FP8 pages are dequantised in registers: the page's K scale multiplies
-the scores and its V scale the probabilities, so a tile costs two scalar multiplies per position, not per
-element; INT8 entries the same with each position's own scales (the bf16 after its codes). Splits give a batch of few long sequences enough programs to fill the GPU; a second small kernel
-merges the splits' partial results by their log-sum-exp.
+positions, with an online softmax in base 2. A tile is a run of positions inside one page (pages smaller
+than ``tl.dot``'s 16 columns excepted), so its block-table entry and FP8 scales are one load each: the
+page's K scale times the softmax scale times log2(e) is the one multiply a score gets, and its V scale
+multiplies the probabilities before P·V; FP8 bytes become the compute dtype in registers. INT8 entries
+carry their own scales (the bf16 after their codes), per position. Splits give a batch of few long
+sequences enough programs to fill the GPU; a second small kernel merges the splits' partial results by
+their log-sum-exp (base 2, as the splits keep it).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -18,7 +22,8 @@ import triton.language as tl
 
 from gpu_workers.kernels import interpreted
 
-BLOCK_N = 32  # positions per tile
+TILE = 32  # most positions per tile
+MIN_TILE = 16  # tl.dot's least width: a tile over smaller pages spans several
 
 
 @triton.jit
@@ -41,7 +46,7 @@ def _decode_split_kernel(
     acc_ptr,
     max_ptr,
     sum_ptr,
-    scale,
+    qk_scale,
     window,
     chunk,
     num_splits,
@@ -62,6 +67,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """``qk_scale`` is the softmax scale times log2(e): scores, maxima and sums are in base 2."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -69,11 +75,14 @@ def _decode_split_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    lo = start + split * chunk
+    # Tiles start at multiples of BLOCK_N (chunk is a multiple of it), so where BLOCK_N divides the page size
+    # no tile crosses a page; a window's first tile starts before the window, those positions masked.
+    lo = start // BLOCK_N * BLOCK_N + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
+    rows = tl.arange(0, BLOCK_N)
     heads = kv_head * GQA + g
     g_mask = g < GQA
     d_mask = d < HEAD_DIM
@@ -84,15 +93,25 @@ def _decode_split_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    table = block_tables_ptr + b * stride_bt
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+        n = n0 + rows
         n_mask = n < hi
-        page = tl.load(block_tables_ptr + b * stride_bt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + n % PAGE_SIZE
-        kv_offs = slot[:, None] * stride_kslot + kv_head * stride_kh + d[None, :]
+        if HAS_WINDOW:
+            n_mask &= n >= start
+        # ``page`` is a scalar where the tile lies in one page, else each position's page [BLOCK_N]; the
+        # scales below load and broadcast as either.
+        if BLOCK_N <= PAGE_SIZE:
+            page = tl.load(table + n0 // PAGE_SIZE).to(tl.int64)
+            slot = page * PAGE_SIZE + n0 % PAGE_SIZE + rows
+        else:
+            page = tl.load(table + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + n % PAGE_SIZE
+        entry = slot * stride_kslot + kv_head * stride_kh
+        kv_offs = entry[:, None] + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
@@ -102,21 +121,21 @@ def _decode_split_kernel(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") if DOT_FP32 else tl.dot(q, tl.trans(k))
-        s = s * scale  # [BLOCK_G, BLOCK_N]
         if FP8:
-            s = s * tl.load(k_scale_ptr + page, mask=n_mask, other=0.0)[None, :]
-        if INT8:
-            entry = slot * stride_kslot + kv_head * stride_kh
-            s = s * _entry_scales(k_ptr + entry, HEAD_DIM, n_mask)[None, :]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
+            s = s * (tl.load(k_scale_ptr + page) * qk_scale)
+        elif INT8:
+            s = s * (_entry_scales(k_ptr + entry, HEAD_DIM, n_mask) * qk_scale)
+        else:
+            s = s * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP8:
-            p = p * tl.load(v_scale_ptr + page, mask=n_mask, other=0.0)[None, :]
+            p = p * tl.load(v_scale_ptr + page)
         if INT8:
-            p = p * _entry_scales(v_ptr + entry, HEAD_DIM, n_mask)[None, :]
+            p = p * _entry_scales(v_ptr + entry, HEAD_DIM, n_mask)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -151,7 +170,7 @@ def _merge_splits_kernel(
     m = tl.load(max_ptr + part, mask=s_mask, other=float("-inf"))
     m_all = tl.max(m, axis=0)
     # A split past the sequence's end never ran its loop: max -inf, sum 0, weight 0.
-    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_all), 0.0)
     total = tl.sum(tl.load(sum_ptr + part, mask=s_mask, other=0.0) * w, axis=0)
     acc = tl.load(
         acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
@@ -182,12 +201,14 @@ def paged_decode_attention_triton(
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    # The longest a sequence can be without reading its lengths back from the device.
+    block_n = _tile(page_size)
+    # The most positions a program's tiles cover, without reading the lengths back from the device: a
+    # window's first tile starts up to block_n - 1 positions before it.
     span = block_tables.shape[1] * page_size
     if sliding_window is not None:
-        span = min(span, sliding_window)
-    num_splits = _num_splits(batch * kv_heads, span, q.device)
-    chunk = triton.cdiv(triton.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        span = min(span, sliding_window + block_n - 1)
+    num_splits = _num_splits(batch * kv_heads, span, block_n, q.device)
+    chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
     partial = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     maxes = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
     sums = torch.empty_like(maxes)
@@ -205,7 +226,7 @@ def paged_decode_attention_triton(
         partial,
         maxes,
         sums,
-        scale,
+        scale * math.log2(math.e),
         sliding_window or 0,
         chunk,
         num_splits,
@@ -224,7 +245,7 @@ def paged_decode_attention_triton(
         DOT_FP32=q.dtype == torch.float32 or interpreted(),
         BLOCK_G=max(16, triton.next_power_of_2(heads // kv_heads)),
         BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         num_warps=4,
     )
     _merge_splits_kernel[(batch, heads)](
@@ -244,10 +265,16 @@ def paged_decode_attention_triton(
     return out
 
 
-def _num_splits(programs: int, span: int, device: torch.device) -> int:
+def _tile(page_size: int) -> int:
+    """Positions per tile: the largest power of two dividing the page size, at most ``TILE``, so tiles
+    never cross a page; ``MIN_TILE`` (spanning pages) where that is narrower than ``tl.dot`` takes."""
+    return max(MIN_TILE, min(page_size & -page_size, TILE))
+
+
+def _num_splits(programs: int, span: int, block_n: int, device: torch.device) -> int:
     """Enough splits for about two programs per SM, none shorter than one tile."""
     sms = _multiprocessors(device.index) if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(span, BLOCK_N), 64))
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(span, block_n), 64))
 
 
 @functools.cache
