@@ -30,7 +30,7 @@ from gpu_workers.formats.fp8 import quantize_fp8  # noqa: E402
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4  # noqa: E402
 from gpu_workers.kernels import KERNELS_ENV  # noqa: E402
 from gpu_workers.kernels.fp8_linear_triton import fp8_linear_triton  # noqa: E402
-from gpu_workers.kernels.int4_linear_triton import int4_linear_triton  # noqa: E402
+from gpu_workers.kernels.int4_linear_triton import int4_linear_fast_triton, int4_linear_triton  # noqa: E402
 from gpu_workers.kernels.kv_write import write_kv_reference  # noqa: E402
 from gpu_workers.kernels.kv_write_triton import write_kv_triton  # noqa: E402
 from gpu_workers.kernels.paged_attention import paged_decode_attention_reference  # noqa: E402
@@ -81,8 +81,10 @@ def main() -> int:
     for m, n, k, group in GEMM_SHAPES + ([] if args.smoke else SERVING_GEMM):
         for dtype in dtypes:
             for symmetric in (False, True):
-                name = f"int4 gemm {m}x{n}x{k} g{group} {dtype} {'sym' if symmetric else 'asym'}"
-                record(name, _int4_gemm, m, n, k, group, symmetric, dtype, device)
+                for kernel in (int4_linear_triton, int4_linear_fast_triton):
+                    fast = " fast" if kernel is int4_linear_fast_triton else ""
+                    name = f"int4{fast} gemm {m}x{n}x{k} g{group} {dtype} {'sym' if symmetric else 'asym'}"
+                    record(name, _int4_gemm, kernel, m, n, k, group, symmetric, dtype, device)
             record(f"fp8 gemm {m}x{n}x{k} {dtype}", _fp8_gemm, m, n, k, dtype, device)
     for case in ATTENTION + ([] if args.smoke else SERVING_ATTENTION):
         for kv in ("bf16", "fp8_e4m3"):
@@ -127,13 +129,13 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
     return {"ok": ok, "max_abs_error": error, "allowed": tol * scale}
 
 
-def _int4_gemm(m, n, k, group, symmetric, dtype, device) -> dict:
+def _int4_gemm(kernel, m, n, k, group, symmetric, dtype, device) -> dict:
     gen = torch.Generator().manual_seed(m + n)
     q = quantize_int4(torch.randn(n, k, generator=gen), group, symmetric)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     args = [t.to(device) if t is not None else None for t in (q.weight_packed, q.weight_scale, q.weight_zero)]
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-    return _compare(int4_linear_triton(x, *args, group), int4_linear_reference(x, *args, group), tol)
+    return _compare(kernel(x, *args, group), int4_linear_reference(x, *args, group), tol)
 
 
 def _fp8_gemm(m, n, k, dtype, device) -> dict:

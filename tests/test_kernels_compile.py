@@ -48,7 +48,7 @@ MODULES = {
     rms_norm_triton: ["_add_rms_norm_kernel"],
     paged_attention_triton: ["_decode_split_kernel", "_merge_splits_kernel"],
     fp8_linear_triton: ["_fp8_gemm_kernel"],
-    int4_linear_triton: ["_int4_gemm_kernel"],
+    int4_linear_triton: ["_int4_gemm_kernel", "_int4_fast_gemm_kernel"],
 }
 
 
@@ -238,3 +238,36 @@ def test_weight_gemms_compile_for_hopper(launches, dtype):
         torch.randn(1, 256, dtype=dtype), i4.weight_packed, i4.weight_scale, i4.weight_zero, 48
     )
     assert compile_all(launches) == {"_fp8_gemm_kernel", "_int4_gemm_kernel"}
+
+
+def test_fast_int4_gemm_compiles_for_hopper(launches):
+    # bf16 (what a GPU engine computes in) at each row-tile size, with zero points and bias and symmetric;
+    # fp16's codes and fp32's dequantised tile at one size; GGUF's minimums; K steps of 128, 32 and 16.
+    w = torch.randn(96, 256)
+    for symmetric in (False, True):
+        i4 = quantize_int4(w, 128, symmetric)
+        bias = None if symmetric else torch.randn(96, dtype=torch.bfloat16)
+        for m in (1, 24, 40, 80):
+            x = torch.randn(m, 256, dtype=torch.bfloat16)
+            int4_linear_triton.int4_linear_fast_triton(
+                x, i4.weight_packed, i4.weight_scale, i4.weight_zero, 128, bias
+            )
+    for dtype in (torch.float16, torch.float32):
+        int4_linear_triton.int4_linear_fast_triton(
+            torch.randn(1, 256, dtype=dtype), i4.weight_packed, i4.weight_scale, None, 128
+        )
+    i4 = quantize_int4(w, 32)
+    for dtype in (torch.bfloat16, torch.float32):
+        int4_linear_triton.int4_linear_fast_triton(
+            torch.randn(1, 256, dtype=dtype),
+            i4.weight_packed,
+            i4.weight_scale.half(),
+            None,
+            32,
+            weight_min=i4.weight_zero.half(),
+        )
+    i4 = quantize_int4(w, 48)
+    int4_linear_triton.int4_linear_fast_triton(
+        torch.randn(1, 256, dtype=torch.bfloat16), i4.weight_packed, i4.weight_scale, i4.weight_zero, 48
+    )
+    assert compile_all(launches) == {"_int4_fast_gemm_kernel"}

@@ -4,13 +4,17 @@
   (``fp8_linear_triton``) reads the 1-byte weights, upcasts them in registers (exact: every e4m3 value is
   a bf16 value) and applies the channel scale once to the accumulator.
 - INT4 (W4A16): group-quantised weights (``formats.weights``). The reference dequantises the whole weight
-  and calls ``F.linear``; the kernel (``int4_linear_triton``) unpacks and dequantises tiles in registers,
-  so only the packed bytes cross memory. On CPU, torch's packed int4 kernel (``Int4CpuPack``): the codes
-  are repacked once into its tiled layout, our zero points folded into its per-group offsets.
+  and calls ``F.linear``; the kernels (``int4_linear_triton``) unpack and dequantise tiles in registers,
+  so only the packed bytes cross memory. Two GPU kernels: "fast" reads the weight repacked once into its
+  tiled layout (``Int4GpuPack``) and places nibbles into float bit patterns, scaling the accumulator per
+  group; "convert" reads the stored bytes and converts each nibble to fp32. ``TESSERA_INT4_KERNEL`` picks
+  the one ``Int4Linear`` runs. On CPU, torch's packed int4 kernel (``Int4CpuPack``): the codes are
+  repacked once into its tiled layout, our zero points folded into its per-group offsets.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +22,13 @@ import torch.nn.functional as F
 
 from gpu_workers.formats.weights import SYMMETRIC_ZERO, dequantize_fp8_weight, dequantize_int4, unpack_int4
 from gpu_workers.kernels import kernel_mode, use_triton
+
+# The W4A16 kernel ``Int4Linear`` runs on a GPU. "fast" is the default because it equals the reference
+# under Triton's interpreter on every format (tests/test_int4_fast_dequant.py); whether it is faster than
+# "convert" is for a GPU to say (scripts/gpu-session.sh's kernels stage: ``tessera bench kernels`` rows
+# int4 and int4-fast).
+INT4_KERNEL_ENV = "TESSERA_INT4_KERNEL"
+INT4_KERNELS = ("fast", "convert")
 
 # What torch's CPU int4 kernel takes: these group sizes, output channels in multiples of 16, activations
 # in these dtypes. Any other layer runs the reference.
@@ -71,14 +82,102 @@ def int4_linear(
     group_size: int,
     bias: torch.Tensor | None = None,
     weight_min: torch.Tensor | None = None,
+    pack: Int4GpuPack | None = None,
 ) -> torch.Tensor:
+    """``int4_linear_reference``'s result; on the Triton kernels, the fast one where ``pack`` (this weight
+    from ``prepack_int4_gpu``) is given, else the convert one."""
     if use_triton(x.device):
-        from gpu_workers.kernels.int4_linear_triton import int4_linear_triton
+        from gpu_workers.kernels.int4_linear_triton import int4_linear_fast_triton, int4_linear_triton
 
-        return int4_linear_triton(
-            x, weight_packed, weight_scale, weight_zero, group_size, bias, weight_min=weight_min
-        )
+        args = (x, weight_packed, weight_scale, weight_zero, group_size, bias)
+        if pack is not None:
+            return int4_linear_fast_triton(*args, weight_min=weight_min, pack=pack)
+        return int4_linear_triton(*args, weight_min=weight_min)
     return int4_linear_reference(x, weight_packed, weight_scale, weight_zero, group_size, bias, weight_min)
+
+
+def int4_gpu_kernel() -> str:
+    """The W4A16 Triton kernel ``Int4Linear`` runs: ``TESSERA_INT4_KERNEL`` (fast or convert), default fast."""
+    kernel = os.environ.get(INT4_KERNEL_ENV, INT4_KERNELS[0])
+    if kernel not in INT4_KERNELS:
+        raise ValueError(
+            f"{INT4_KERNEL_ENV}={kernel!r} is not a W4A16 kernel; use one of {', '.join(INT4_KERNELS)}"
+        )
+    return kernel
+
+
+def use_int4_gpu_pack(x: torch.Tensor) -> bool:
+    """Whether an int4 linear over ``x`` runs the fast Triton kernel, on a weight packed once for it."""
+    return use_triton(x.device) and int4_gpu_kernel() == "fast"
+
+
+@dataclass(frozen=True)
+class Int4GpuPack:
+    """One int4 weight in the layout of the fast W4A16 kernel (``int4_linear_fast_triton``), made once.
+
+    ``words`` [ceil(in / block_k), out, block_k / 8] int32: the codes of one K step (``block_k`` inputs) of
+    one output row are the contiguous ``words[step, row]``, so a program's [BLOCK_N, block_k] tile is one
+    contiguous block of memory. Word j of a step holds inputs 8j .. 8j + 7 of it, input 8j + p in bits
+    4p .. 4p + 3: the stored bytes read as little-endian words, the order in which the kernel's
+    shift-mask-or, two nibbles per 32-bit operation, and its joins put each code under its input. Inputs
+    past ``in_features`` hold code 0 (they meet zero activations).
+    ``scale`` and ``offset`` (zero points, or GGUF's minimums where ``has_min``; None: symmetric, zero 8)
+    are [groups, out] in their stored dtype: one step's per-column values are one contiguous load.
+    """
+
+    words: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    has_min: bool
+    group_size: int
+    block_k: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        offset = 0 if self.offset is None else self.offset.nbytes
+        return self.words.nbytes + self.scale.nbytes + offset
+
+    def weight_packed(self) -> torch.Tensor:
+        """The [out, in / 2] bytes it was packed from (``formats.weights``' order)."""
+        steps, rows, _ = self.words.shape
+        stored = self.words.view(torch.uint8).transpose(0, 1).reshape(rows, steps * self.block_k // 2)
+        return stored[:, : self.in_features // 2].contiguous()
+
+
+def int4_gpu_block_k(group_size: int) -> int:
+    """The fast kernel's K step for ``group_size``: the largest of 128/64/32/16 inside one group, so that
+    each step's scale and zero apply to its whole dot product."""
+    block_k = next((b for b in (128, 64, 32, 16) if group_size % b == 0), None)
+    if block_k is None:
+        raise ValueError(f"the fast W4A16 kernel needs groups of a multiple of 16 inputs, got {group_size}")
+    return block_k
+
+
+def prepack_int4_gpu(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero: torch.Tensor | None,
+    group_size: int,
+    weight_min: torch.Tensor | None = None,
+) -> Int4GpuPack:
+    """Our int4 encoding (``formats.weights``) as the fast W4A16 kernel reads it (``Int4GpuPack``), on the
+    weight's device."""
+    block_k = int4_gpu_block_k(group_size)
+    rows, half = weight_packed.shape
+    steps = -(-2 * half // block_k)
+    stored = F.pad(weight_packed, (0, steps * block_k // 2 - half))
+    words = stored.view(rows, steps, block_k // 2).transpose(0, 1).contiguous().view(torch.int32)
+    offset = weight_min if weight_min is not None else weight_zero
+    return Int4GpuPack(
+        words=words,
+        scale=weight_scale.t().contiguous(),
+        offset=None if offset is None else offset.t().contiguous(),
+        has_min=weight_min is not None,
+        group_size=group_size,
+        block_k=block_k,
+        in_features=2 * half,
+    )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ them by name. ``load_dense`` quantises an unquantised weight into them: quantisi
 
 On CPU the first forward prepares the weights once for the activations' dtype and reuses them until a
 buffer changes: int4 in torch's packed int4 layout (fp32 compute: large layers with bf16 activations, small
-ones dequantised, see ``kernels.quant_linear``); fp8 dequantised, as CPU torch has no fast fp8 matmul.
+ones dequantised, see ``kernels.quant_linear``); fp8 dequantised, as CPU torch has no fast fp8 matmul. On
+the Triton kernels, int4 is repacked once the same way for the fast W4A16 kernel (``Int4GpuPack``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_availabl
 from gpu_workers.kernels.quant_linear import (
     INT4_CPU_KERNEL_MIN_WEIGHTS,
     Int4CpuPack,
+    Int4GpuPack,
     fp8_linear,
     int4_cpu_supported,
     int4_linear,
     int4_linear_cpu,
     prepack_int4_cpu,
+    prepack_int4_gpu,
     use_cpu_weights,
+    use_int4_gpu_pack,
 )
 from gpu_workers.quant.config import QuantConfig
 
@@ -116,6 +120,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_min", offsets if minimums else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
         self._cpu_pack = _Prepared()
+        self._gpu_pack = _Prepared()
         self._dense = _Prepared()
         # The size that routes fp32 compute to the int4 kernel: this layer's, or a fused layer's parts'.
         self.kernel_weights = in_features * out_features
@@ -131,6 +136,7 @@ class Int4Linear(nn.Module):
         if q.weight_zero is not None:
             self.weight_zero.copy_(q.weight_zero)
         self._cpu_pack.clear()
+        self._gpu_pack.clear()
         self._dense.clear()
 
     @classmethod
@@ -186,6 +192,7 @@ class Int4Linear(nn.Module):
             self.group_size,
             self.bias,
             self.weight_min,
+            self.gpu_pack() if use_int4_gpu_pack(x) else None,
         )
 
     def _stored(self) -> tuple[torch.Tensor | None, ...]:
@@ -211,6 +218,16 @@ class Int4Linear(nn.Module):
                 self.group_size,
                 dtype,
                 self.weight_min,
+            ),
+        )
+
+    def gpu_pack(self) -> Int4GpuPack:
+        """This weight in the fast W4A16 kernel's layout, packed once on its device (a copy beside the stored
+        buffers, as ``cpu_pack``'s is)."""
+        return self._gpu_pack.get(
+            _identity(*self._stored()),
+            lambda: prepack_int4_gpu(
+                self.weight_packed, self.weight_scale, self.weight_zero, self.group_size, self.weight_min
             ),
         )
 

@@ -22,7 +22,7 @@ from gpu_workers.formats.fp8 import quantize_fp8
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4
 from gpu_workers.kernels import use_triton
 from gpu_workers.kernels.paged_attention import paged_decode_attention
-from gpu_workers.kernels.quant_linear import fp8_linear, int4_linear
+from gpu_workers.kernels.quant_linear import fp8_linear, int4_linear, prepack_int4_gpu
 
 # Published HBM bandwidth, GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0, "L4": 300.0}
@@ -33,7 +33,7 @@ class GemmRow:
     k: int
     n: int
     batch: int
-    weights: str  # bf16 | fp8 | int4
+    weights: str  # bf16 | fp8 | int4 | int4-fast (the W4A16 kernels: quant_linear.int4_linear)
     ms: float  # CUDA graph replay on a GPU; wall clock elsewhere
     gbs: float  # bytes moved (weights as stored + activations in and out) per second
     speedup: float  # over bf16 at the same shape and batch
@@ -132,7 +132,9 @@ def _graph_ms(calls: list[Callable[[], object]], repeats: int) -> float:
 def bench_gemm(
     k: int, n: int, batches: list[int], device: torch.device, group_size: int = 128, repeats: int = 5
 ) -> list[GemmRow]:
-    """x [batch, k] @ W.T for W [n, k] in bf16 (torch), fp8 and int4 (kernels or references)."""
+    """x [batch, k] @ W.T for W [n, k] in bf16 (torch), fp8 and int4 (kernels or references). int4 runs the
+    convert W4A16 kernel, int4-fast the fast one on weights packed for it beforehand (as a layer packs
+    them once); off a GPU both are the reference."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(device)
     w_bf16 = w.to(torch.bfloat16)
@@ -149,10 +151,13 @@ def bench_gemm(
         "int4": (i4.weight_packed, i4.weight_scale, i4.weight_zero),
     }
     copies = {fmt: rotated(tensors, device) for fmt, tensors in stored.items()}
+    copies["int4-fast"] = [(*c, prepack_int4_gpu(*c, group_size)) for c in copies["int4"]]
+    weight_bytes["int4-fast"] = copies["int4-fast"][0][-1].nbytes
     kernels = {
         "bf16": lambda x, w: F.linear(x, w),
         "fp8": lambda x, w, scale: fp8_linear(x, w, scale),
         "int4": lambda x, w, scale, zero: int4_linear(x, w, scale, zero, group_size),
+        "int4-fast": lambda x, w, scale, zero, pack: int4_linear(x, w, scale, zero, group_size, pack=pack),
     }
     rows = []
     for batch in batches:

@@ -57,11 +57,11 @@ def run_kernels(
     if gpu:
         print("ms: replayed from a CUDA graph (the kernels' own time); eager ms: launched from Python")
     print(
-        f"{'K x N':<13}{'batch':>6}{'weights':>9}{'ms':>10}{'GB/s':>10}{'% peak':>8}{'vs bf16':>9}{'eager ms':>10}"
+        f"{'K x N':<13}{'batch':>6}{'weights':>11}{'ms':>10}{'GB/s':>10}{'% peak':>8}{'vs bf16':>9}{'eager ms':>10}"
     )
     for r in gemm:
         print(
-            f"{f'{r.k}x{r.n}':<13}{r.batch:>6}{r.weights:>9}{r.ms:>10.4f}{r.gbs:>10.3g}"
+            f"{f'{r.k}x{r.n}':<13}{r.batch:>6}{r.weights:>11}{r.ms:>10.4f}{r.gbs:>10.3g}"
             f"{_percent(r.gbs, peak):>8}{r.speedup:>8.2f}x{_ms(r.eager_ms):>10}"
         )
     print()
