@@ -13,6 +13,7 @@
 #   engine-*     tessera bench kv-formats: decode tok/s at 1/8/16/32/64 concurrent, BF16 vs FP8 KV, on the
 #                bf16, fp8 and int4 checkpoints (one budget that preempts nothing)
 #   engine-graphs the bf16 checkpoint's kv-formats run again with decode steps from CUDA graphs
+#   engine-int4-fast the int4 checkpoint's run again on the fast W4A16 kernel (TESSERA_INT4_KERNEL=fast)
 #   step-profile a decode step's wall time against its GPU kernel time and launches, bf16 1B model,
 #                BF16 / FP8 KV at 1 and 64 concurrent, eager and from CUDA graphs (gpu_step_profile.py)
 #   tests        TESSERA_KERNELS=triton pytest tests/test_kernels.py and tests/test_decode_launches.py (the
@@ -77,7 +78,8 @@ else
     # bf16 autocast, 2 minutes of steps (warmup-stable-decay sized to it), 32 x 2,048-token windows per step.
     train_flags=(--device cuda --bf16 --budget-minutes 2 --context 2048 --batch-size 32 --lr 2e-3
         --warmup-steps 20 --eval-every 500 --log-every 50)
-    tests=(tests/test_kernels.py tests/test_decode_launches.py -n 6)
+    tests=(tests/test_kernels.py tests/test_decode_launches.py tests/test_int4_fast_dequant.py
+        tests/test_fp8_attention_fold.py -n 6)
     profile_flags=(--device cuda --concurrency 1,64 --steps 10 --cuda-graphs both)
     sweep_flags=()
 fi
@@ -168,6 +170,9 @@ engine() {  # engine CHECKPOINT REPS JSON [FLAG...]: decode tok/s per concurrenc
 stage_engine-bf16-weights() { engine "$scratch/llama" "${engine_reps[0]}" "$out/engine-bf16-weights.json"; }
 stage_engine-fp8-weights() { engine "$scratch/llama-fp8" "${engine_reps[1]}" "$out/engine-fp8-weights.json"; }
 stage_engine-int4-weights() { engine "$scratch/llama-int4" "${engine_reps[1]}" "$out/engine-int4-weights.json"; }
+stage_engine-int4-fast() {  # the same on the fast W4A16 kernel (TESSERA_INT4_KERNEL; the default is convert)
+    TESSERA_INT4_KERNEL=fast engine "$scratch/llama-int4" "${engine_reps[1]}" "$out/engine-int4-fast.json"
+}
 stage_engine-graphs() { engine "$scratch/llama" "${engine_reps[1]}" "$out/engine-graphs.json" --cuda-graphs; }
 
 stage_step-profile() {
@@ -249,6 +254,7 @@ if stage llama-1b 60 "${mode[@]}" && stage quantize 75 "${mode[@]}"; then
     stage engine-bf16-weights 110 "${mode[@]}"
     stage engine-graphs 60 "${mode[@]}"
     stage engine-int4-weights 60 "${mode[@]}"
+    stage engine-int4-fast 60 "${mode[@]}"
     stage engine-fp8-weights 60 "${mode[@]}"
     stage step-profile 60 "${mode[@]}"
 fi

@@ -80,6 +80,22 @@ def test_padded_linears_compute_few_rows_as_a_gemm_of_min_rows_does():
     assert torch.equal(padded.reshape(3, 96), full)
 
 
+def test_padded_linears_compute_many_rows_in_blocks_of_min_rows():
+    """Every row comes out of a GEMM of MIN_ROWS rows, so a row has the same bits in a batch of 16, 37 or 600
+    (with two threads, MKL splits the sum over K of a 600-row call of this shape otherwise)."""
+    torch.manual_seed(0)
+    weight = torch.randn(576, 1536)
+    x = torch.randn(600, 1536)
+    with PaddedLinears():
+        alone = F.linear(x[:MIN_ROWS], weight)
+        for rows in (37, 64, 100, 600):
+            out = F.linear(x[:rows], weight)
+            assert out.shape == (rows, 576)
+            assert torch.equal(out[:MIN_ROWS], alone)
+        # a row's place in its block does not move it
+        assert torch.equal(F.linear(x[5 : 5 + MIN_ROWS], weight)[0], alone[5])
+
+
 def test_the_fixed_chunk_is_whole_pages_and_fits_beside_decoding_rows():
     assert chunk_tokens(16, 1024) == 256
     assert chunk_tokens(16, 256) == 128

@@ -10,13 +10,21 @@ Triton kernels (on CPU that needs ``TRITON_INTERPRET=1``: how the tests run them
 
 from __future__ import annotations
 
+import functools
 import os
-from importlib.util import find_spec
+from importlib.util import find_spec as _find_spec
 
 import torch
 
 KERNELS_ENV = "TESSERA_KERNELS"
 KERNEL_MODES = ("auto", "reference", "triton")
+
+
+@functools.cache
+def find_spec(name: str):
+    """``importlib.util.find_spec``, asked once per name: every norm and linear of a step asks whether the
+    kernels' packages are installed, which does not change while a process runs."""
+    return _find_spec(name)
 
 
 def kernel_mode() -> str:

@@ -89,3 +89,15 @@ def _narrow(value, like):
     if like.dtype == types.float32:
         return lambda value, like: value
     return None
+
+
+@intrinsic
+def pointer(typingctx, address, like):
+    """``address`` (an integer: a tensor's ``data_ptr()``) as a pointer to elements of the array ``like``'s
+    type, for ``numba.carray``: a kernel reads a tensor's memory without a numpy array made per call."""
+    pointer_type = types.CPointer(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer_type))
+
+    return pointer_type(address, like), codegen

@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from gpu_workers.formats.weights import SYMMETRIC_ZERO, dequantize_fp8_weight, dequantize_int4, unpack_int4
 from gpu_workers.kernels import kernel_mode, use_triton
 
-# The W4A16 kernel ``Int4Linear`` runs on a GPU. "fast" is the default because it equals the reference
-# under Triton's interpreter on every format (tests/test_int4_fast_dequant.py); whether it is faster than
-# "convert" is for a GPU to say (scripts/gpu-session.sh's kernels stage: ``tessera bench kernels`` rows
-# int4 and int4-fast).
+# The W4A16 kernel ``Int4Linear`` runs on a GPU, "convert" unless ``TESSERA_INT4_KERNEL=fast``. Both equal
+# the reference under Triton's interpreter on every format (tests/test_int4_fast_dequant.py), but "fast"
+# keeps its repacked copy of the codes beside the stored ones, so an int4 layer holds its weights twice in
+# accelerator memory: it becomes the default only once a GPU shows it faster (scripts/gpu-session.sh's
+# kernels stage: ``tessera bench kernels`` rows int4 and int4-fast) and the stored copy is let go.
 INT4_KERNEL_ENV = "TESSERA_INT4_KERNEL"
-INT4_KERNELS = ("fast", "convert")
+INT4_KERNELS = ("convert", "fast")
 
 # What torch's CPU int4 kernel takes: these group sizes, output channels in multiples of 16, activations
 # in these dtypes. Any other layer runs the reference.
@@ -97,7 +98,7 @@ def int4_linear(
 
 
 def int4_gpu_kernel() -> str:
-    """The W4A16 Triton kernel ``Int4Linear`` runs: ``TESSERA_INT4_KERNEL`` (fast or convert), default fast."""
+    """The W4A16 Triton kernel ``Int4Linear`` runs: ``TESSERA_INT4_KERNEL`` (convert or fast), default convert."""
     kernel = os.environ.get(INT4_KERNEL_ENV, INT4_KERNELS[0])
     if kernel not in INT4_KERNELS:
         raise ValueError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.kernels import use_triton
+from gpu_workers.kernels import backend
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,9 +34,16 @@ def add_rms_norm_reference(
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``weight * norm(x + residual)``, ``x + residual``) for x, residual [T, hidden]."""
-    if use_triton(x.device) and x.dim() == 2:
+    """(``weight * norm(x + residual)``, ``x + residual``) for x, residual [T, hidden]: one Triton kernel, or
+    one numba call on the CPU (``rms_norm_cpu``: the reference's bits), else the reference."""
+    kernels = backend(x.device)
+    if kernels == "triton" and x.dim() == 2:
         from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
+    if kernels == "cpu":
+        from gpu_workers.kernels.rms_norm_cpu import add_rms_norm_cpu, cpu_norm_supported
+
+        if cpu_norm_supported(x, weight):
+            return add_rms_norm_cpu(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)

@@ -29,11 +29,15 @@ class PagedAttention:
     kernels writes and attends in one numba call per layer (``decode_step_cpu``), the rotation
     included when q, k and v come from one fused projection; every other step writes, then attends."""
 
-    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+    def __init__(self, cache: KVCache, meta: AttentionMetadata, one_call: bool = True):
+        """``one_call=False`` keeps a decode-only step on the write-then-attend path that a step mixing
+        prefill and decode takes (a batch-invariant engine): the one-call kernel is the same arithmetic,
+        but compiled apart, so with fastmath it may round a value's last bit otherwise (measured on
+        SmolLM2's layers on an AVX-512 Xeon: 1 ulp)."""
         self.cache = cache
         self.meta = meta
         self.backend = backend(meta.slot_mapping.device)
-        self._decode_step = _cpu_decode_step(cache, meta) if self.backend == "cpu" else None
+        self._decode_step = _cpu_decode_step(cache, meta) if self.backend == "cpu" and one_call else None
         # The step's cos tensor and its rotary tables as arrays: every layer gets the same ones.
         self._rotary: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
 
