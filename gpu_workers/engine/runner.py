@@ -71,7 +71,8 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, PagedAttention(self.cache, meta))
+        # A batch-invariant step attends by one path whatever else shares it (model/attention.py).
+        hidden = self.model(ids, pos, PagedAttention(self.cache, meta, one_call=not self.batch_invariant))
         if not last_rows:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
         logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
