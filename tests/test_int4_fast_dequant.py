@@ -21,7 +21,8 @@ import gpu_workers.kernels.int4_linear_triton as int4_triton  # noqa: E402
 import gpu_workers.quant.linear as quant_linear_layers  # noqa: E402
 from gpu_workers.formats.weights import quantize_int4, unpack_int4  # noqa: E402
 from gpu_workers.kernels.int4_linear_triton import int4_linear_fast_triton, int4_tiles  # noqa: E402
-from gpu_workers.kernels.quant_linear import int4_linear_reference, prepack_int4_gpu  # noqa: E402
+from gpu_workers.kernels.int4_pack import prepack_int4_gpu  # noqa: E402
+from gpu_workers.kernels.quant_linear import int4_linear_reference  # noqa: E402
 from gpu_workers.quant.linear import Int4Linear  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-7}

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from gpu_workers.kernels import interpreted
-from gpu_workers.kernels.quant_linear import Int4GpuPack, prepack_int4_gpu
+from gpu_workers.kernels.int4_pack import Int4GpuPack, prepack_int4_gpu
 
 
 @dataclass(frozen=True)

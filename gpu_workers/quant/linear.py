@@ -24,17 +24,16 @@ from gpu_workers.formats.weights import (
     quantize_fp8_weight,
     quantize_int4,
 )
+from gpu_workers.kernels.int4_pack import Int4GpuPack, prepack_int4_gpu
 from gpu_workers.kernels.packed_linear import PackedLinear, cpu_packing_available, linear_of
 from gpu_workers.kernels.quant_linear import (
     INT4_CPU_KERNEL_MIN_WEIGHTS,
     Int4CpuPack,
-    Int4GpuPack,
     fp8_linear,
     int4_cpu_supported,
     int4_linear,
     int4_linear_cpu,
     prepack_int4_cpu,
-    prepack_int4_gpu,
     use_cpu_weights,
     use_int4_gpu_pack,
 )

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from gpu_workers.formats.fp8 import quantize_fp8
 from gpu_workers.formats.weights import quantize_fp8_weight, quantize_int4
 from gpu_workers.kernels import use_triton
+from gpu_workers.kernels.int4_pack import prepack_int4_gpu
 from gpu_workers.kernels.paged_attention import paged_decode_attention
-from gpu_workers.kernels.quant_linear import fp8_linear, int4_linear, prepack_int4_gpu
+from gpu_workers.kernels.quant_linear import fp8_linear, int4_linear
 
 # Published HBM bandwidth, GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0, "L4": 300.0}
