@@ -173,15 +173,23 @@ def prepack_int4_cpu(
     )
 
 
+_INT4_CPU_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload: no resolution per call
+
+
 def int4_linear_cpu(x: torch.Tensor, pack: Int4CpuPack, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T + bias through torch's packed int4 CPU kernel, in the pack's activation dtype (x is
-    cast to it and the result back to x's dtype)."""
-    rows = x.reshape(-1, x.shape[-1]).to(pack.scales_and_offsets.dtype)
+    cast to it and the result back to x's dtype). Called for every linear of every decode step: each
+    step below is skipped where it would do nothing."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    activations = pack.scales_and_offsets.dtype
+    if rows.dtype != activations:
+        rows = rows.to(activations)
     padding = pack.scales_and_offsets.shape[0] * pack.group_size - pack.in_features
     if padding:
         rows = F.pad(rows, (0, padding))
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        rows.contiguous(), pack.weight, pack.group_size, pack.scales_and_offsets
-    )
-    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    out = _INT4_CPU_MM(rows.contiguous(), pack.weight, pack.group_size, pack.scales_and_offsets)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], out.shape[-1])
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
     return out if bias is None else out + bias

@@ -195,7 +195,13 @@ class Int4Linear(nn.Module):
         )
 
     def _stored(self) -> tuple[torch.Tensor | None, ...]:
-        return self.weight_packed, self.weight_scale, self.weight_zero, self.weight_min
+        buffers = self._buffers  # not four trips through nn.Module.__getattr__: read at every call
+        return (
+            buffers["weight_packed"],
+            buffers["weight_scale"],
+            buffers["weight_zero"],
+            buffers["weight_min"],
+        )
 
     def _cpu_activations(self, dtype: torch.dtype) -> torch.dtype | None:
         """The activation dtype this layer runs torch's int4 kernel in for ``dtype`` compute, or None."""
@@ -244,7 +250,7 @@ def _stacked(fused: QuantLinearT, layers: list[QuantLinearT], buffers: tuple[str
 def _identity(*buffers: torch.Tensor | None) -> tuple[int, ...]:
     """Changes when a buffer is replaced (``.to``, ``to_empty``) or written in place through autograd's
     view of it (``copy_``, ``load_state_dict``); ``load_dense`` clears the cache itself."""
-    return tuple(v for b in buffers if b is not None for v in (b.data_ptr(), b._version))
+    return tuple([(b.data_ptr(), b._version) for b in buffers if b is not None])
 
 
 class _Prepared:
