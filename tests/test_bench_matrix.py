@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 from tessera.bench.matrix import (
     AXES,
+    CONFIG_FIELDS,
     MatrixSpec,
     cost_per_million,
     figures,
@@ -174,7 +175,11 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
     env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
     command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", up.url]
     command += ["--admin-key", up.key, "--api-key", up.key, "--model", DEFAULT_MODEL]
-    command += ["--axes", "kv,integrity", "--concurrency", ",".join(map(str, CONCURRENCY))]
+    # One axis: every run is a PATCH of the whole config and a reload, whatever the axis, so a second one adds
+    # reloads, not code (how axes share runs is test_axes_share_runs_and_the_served_config_goes_first's). No
+    # --kv-budget-bytes (test_matrix_stopped_mid_run_restores_the_original_config applies one): the served
+    # config is a run, measured first without a reload.
+    command += ["--axes", "kv", "--concurrency", ",".join(map(str, CONCURRENCY))]
     command += [
         "--input-len",
         "40",
@@ -183,10 +188,10 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         "--requests-per-client",
         str(PER_CLIENT),
     ]
-    command += ["--kv-budget-bytes", str(BUDGET), "--repeats", str(REPEATS), "--json", str(out)]
+    command += ["--repeats", str(REPEATS), "--json", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{up.output}"
-    assert "decode KV format" in done.stdout and "KV integrity check" in done.stdout
+    assert "decode KV format" in done.stdout
     assert "x (" in done.stdout and "–" in done.stdout  # ratios print "mean (low–high)"
     report = json.loads(out.read_text())
     validate(report, "matrix")  # the documented schema; a wrong copy fails it
@@ -200,24 +205,24 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         with pytest.raises(jsonschema.ValidationError) as failed:
             validate(broken, "matrix")
         assert tuple(failed.value.absolute_path) == path
-    # bf16 KV, int8 KV (the default, integrity on), fp8 KV, int8 + integrity off
-    assert report["repeats"] == REPEATS and len(report["runs"]) == 4
+    # int8 KV (the served config, first: no reload), bf16 KV, fp8 KV
+    assert report["repeats"] == REPEATS and len(report["runs"]) == 3
+    assert report["runs"][0]["config"] == report["original_config"]
+    assert report["axes"]["kv"]["variants"][original["decode_kv"]] == 0
 
-    # Each (axis, variant) ran on workers that reported serving exactly its config, before and after its load,
-    # in every repeat.
-    for axis in ("kv", "integrity"):
-        for variant in AXES[axis].variants:
-            run = report["runs"][report["axes"][axis]["variants"][variant.name]]
-            config = run["config"]
-            assert {k: config[k] for k in variant.changes} == variant.changes
-            assert config["kv_budget_bytes"] == BUDGET
-            for repeat in run["repeats"]:
-                for served in (repeat["served"], repeat["served_after"]):
-                    assert served["decode"]["kv_formats"] == [config["decode_kv"]]
-                    for pool in ("prefill", "decode"):
-                        assert served[pool]["live_workers"] == 1
-                        assert served[pool]["integrity_check"] == [config["integrity_check"]]
-                        assert served[pool]["config_versions"] == [repeat["config_version"]]
+    # Each variant ran on workers that reported serving exactly its config, before and after its load, in
+    # every repeat; only the axis' field differs from the served config.
+    for variant in AXES["kv"].variants:
+        run = report["runs"][report["axes"]["kv"]["variants"][variant.name]]
+        config = run["config"]
+        assert config == {**report["original_config"], **variant.changes}
+        for repeat in run["repeats"]:
+            for served in (repeat["served"], repeat["served_after"]):
+                assert served["decode"]["kv_formats"] == [config["decode_kv"]]
+                for pool in ("prefill", "decode"):
+                    assert served[pool]["live_workers"] == 1
+                    assert served[pool]["integrity_check"] == [config["integrity_check"]]
+                    assert served[pool]["config_versions"] == [repeat["config_version"]]
     pages = {
         run["config"]["decode_kv"]: run["repeats"][0]["served"]["decode"]["kv_pages_total"][0]
         for run in report["runs"]
@@ -231,7 +236,7 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
         for i, run in enumerate(report["runs"])
         for rep in run["repeats"]
     )
-    assert [(r, i) for _, _, r, i in ran] == [(r, i) for r in range(REPEATS) for i in range(4)]
+    assert [(r, i) for _, _, r, i in ran] == [(r, i) for r in range(REPEATS) for i in range(3)]
     assert all(a[1] <= b[0] for a, b in zip(ran, ran[1:], strict=False))  # one at a time
     assert len({rep["seed"] for run in report["runs"] for rep in run["repeats"]}) == REPEATS
 
@@ -329,12 +334,21 @@ COLOCATED = "@tessera/pycode-tiny-colocated"
 @contextlib.contextmanager
 def colocated_deployment(up, log_path):
     """The default model's checkpoint deployed colocated beside tessera up's disaggregated one, and its serve
-    worker, restarted on a config change (exit EXIT_RELOAD) the way a supervisor does."""
+    worker, restarted on a config change (exit EXIT_RELOAD) the way a supervisor does. Its config is the
+    default's but for kv_budget_bytes (BUDGET): the matrix changes only the colocated one, and restores it."""
     default = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
     body = {
         k: default[k]
-        for k in ("checkpoint", "page_size", "max_num_seqs", "max_model_len", "max_tokens_limit")
+        for k in (
+            "checkpoint",
+            "page_size",
+            "max_num_seqs",
+            "max_model_len",
+            "max_tokens_limit",
+            *CONFIG_FIELDS,
+        )
     }
+    body["kv_budget_bytes"] = BUDGET
     headers = {"Authorization": f"Bearer {up.key}"}
     created = httpx.post(
         f"{up.url}/admin/deployments", json={**body, "name": COLOCATED, "mode": "colocated"}, headers=headers
@@ -376,7 +390,9 @@ def test_matrix_mode_axis_compares_a_colocated_and_a_disaggregated_deployment(up
         command += ["--admin-key", up.key, "--api-key", up.key, "--model", DEFAULT_MODEL]
         command += ["--axes", "mode", "--mode-deployment", COLOCATED, "--concurrency", "1,2"]
         command += ["--input-len", "24", "--output-len", "4", "--requests-per-client", "2"]
-        command += ["--kv-budget-bytes", str(BUDGET), "--repeats", "2", "--json", str(out)]
+        # No --kv-budget-bytes: the disaggregated deployment's own config is the run's, so only the colocated
+        # one reloads (to it, and back), not both of them twice.
+        command += ["--repeats", "2", "--json", str(out)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (
             f"{done.stdout}\n{done.stderr}\n{(tmp_path / 'colocated-worker.log').read_text()}"
@@ -405,7 +421,12 @@ def test_matrix_mode_axis_compares_a_colocated_and_a_disaggregated_deployment(up
         runs["disaggregated"]["deployment"] == DEFAULT_MODEL and runs["colocated"]["deployment"] == COLOCATED
     )
     assert runs["disaggregated"]["config"] == runs["colocated"]["config"]  # one config, two modes
-    assert runs["colocated"]["config"]["kv_budget_bytes"] == BUDGET
+    # The disaggregated deployment's, applied to the colocated one, which served another before and after.
+    assert runs["colocated"]["config"] == report["original_config"]
+    assert report["mode_deployment"]["original_config"] == {
+        **report["original_config"],
+        "kv_budget_bytes": BUDGET,
+    }
     for name, pools, workers in (("disaggregated", {"prefill", "decode"}, 2), ("colocated", {"serve"}, 1)):
         run = runs[name]
         assert run["mode"] == name and run["workers"] == workers
