@@ -10,7 +10,7 @@ import torch
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.engine.params import InvalidRequest
-from gpu_workers.engine.sampling import token_logprobs
+from gpu_workers.engine.sampling import read_logprobs, token_logprobs
 from gpu_workers.protocol import LOGPROB_FLOOR
 
 PROMPT = [5, 17, 33, 2, 90, 41, 8]
@@ -28,6 +28,12 @@ def run(engine: Engine, params: SamplingParams) -> list:
     while engine.has_unfinished():
         engine.step()
     return [lp for e in events for lp in e.logprobs or ()]
+
+
+def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list:
+    """The TokenLogprobs of ``tokens`` (one a row), read on the host as the sampler reads them."""
+    values, top_ids = token_logprobs(logits, params, torch.tensor(tokens))
+    return read_logprobs(values.flatten().tolist(), top_ids.flatten().tolist(), params, tokens)
 
 
 def test_greedy_logprobs_are_the_log_softmax_of_transformers_logits(tiny_llama_dir, engine):
@@ -60,7 +66,7 @@ def test_sampled_logprobs_follow_temperature_and_top_k():
         SamplingParams(temperature=0.5, top_k=3, logprobs=4),
         SamplingParams(temperature=2.0, logprobs=2),
     ]
-    first, second = token_logprobs(logits, params, [int(logits[0].argmax()), 7])
+    first, second = logprobs_of(logits, params, [int(logits[0].argmax()), 7])
     # Only three tokens can be drawn at top_k=3: their probabilities sum to one, the fourth is ruled out.
     assert math.fsum(math.exp(v) for _, v in first.top[:3]) == pytest.approx(1.0, abs=1e-5)
     assert first.top[3][1] == LOGPROB_FLOOR
@@ -88,7 +94,7 @@ def test_tokens_a_mask_rules_out_get_the_floor_and_the_rest_share_all_the_mass()
     logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(1))
     masked = torch.full_like(logits, float("-inf"))
     masked[0, [3, 9, 21]] = logits[0, [3, 9, 21]]
-    (lp,) = token_logprobs(masked, [SamplingParams(temperature=0, logprobs=5)], [9])
+    (lp,) = logprobs_of(masked, [SamplingParams(temperature=0, logprobs=5)], [9])
     assert sorted(t for t, _ in lp.top[:3]) == [3, 9, 21]
     assert math.fsum(math.exp(v) for _, v in lp.top[:3]) == pytest.approx(1.0, abs=1e-6)
     assert [v for _, v in lp.top[3:]] == [LOGPROB_FLOOR, LOGPROB_FLOOR]

@@ -105,9 +105,9 @@ def test_no_penalty_anywhere_returns_the_logits_untouched():
 def test_greedy_sampling_picks_the_penalised_argmax():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
     history = [([], [0])]
-    assert sample(logits, [SamplingParams(temperature=0)], [torch.Generator()], history) == [0]
+    assert sample(logits, [SamplingParams(temperature=0)], [torch.Generator()], history).tolist() == [0]
     penalised = [SamplingParams(temperature=0, frequency_penalty=2.0)]
-    assert sample(logits, penalised, [torch.Generator()], history) == [1]
+    assert sample(logits, penalised, [torch.Generator()], history).tolist() == [1]
 
 
 # -- validation and plumbing ---------------------------------------------------------------------------------

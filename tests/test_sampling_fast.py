@@ -28,7 +28,7 @@ def test_unfiltered_rows_are_the_tempered_softmax_and_filtered_rows_match_the_so
 def test_rows_sharing_a_generator_draw_what_one_draw_per_row_would():
     x = logits(4)
     params = [SamplingParams(temperature=1.0)] * 4
-    batched = sample(x, params, [torch.Generator().manual_seed(7)] * 4)
+    batched = sample(x, params, [torch.Generator().manual_seed(7)] * 4).tolist()
     g = torch.Generator().manual_seed(7)
     one_by_one = []
     for row in x.softmax(-1):
@@ -44,7 +44,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.0),
     ]
-    tokens = sample(x, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    tokens = sample(x, params, [torch.Generator().manual_seed(i) for i in range(3)]).tolist()
     assert tokens[0] == int(x[0].argmax()) and tokens[2] == int(x[2].argmax())
     assert 0 <= tokens[1] < x.shape[1]
 
@@ -52,9 +52,9 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
 def test_a_seeded_row_draws_the_same_token_alone_or_in_a_batch():
     x = logits(5)
     params = [SamplingParams(temperature=1.0, seed=3)] + [SamplingParams(temperature=1.0)] * 4
-    alone = sample(x[:1], params[:1], [torch.Generator().manual_seed(11)])
+    alone = sample(x[:1], params[:1], [torch.Generator().manual_seed(11)]).tolist()
     shared = torch.Generator().manual_seed(0)
-    batched = sample(x, params, [torch.Generator().manual_seed(11)] + [shared] * 4)
+    batched = sample(x, params, [torch.Generator().manual_seed(11)] + [shared] * 4).tolist()
     assert batched[0] == alone[0]
 
 
@@ -68,5 +68,5 @@ def test_first_argmax_gives_torchs_indices_with_ties_infinities_and_nans():
     x[5, :] = float("-inf")
     expected = x.max(dim=-1).indices.tolist()
     assert expected[:5] == [int(x[0].argmax()), 10, 0, 7, 50]
-    assert first_argmax(x) == expected
-    assert first_argmax(x[:, ::2]) == x[:, ::2].max(dim=-1).indices.tolist()  # a strided view
+    assert first_argmax(x).tolist() == expected
+    assert first_argmax(x[:, ::2]).tolist() == x[:, ::2].max(dim=-1).indices.tolist()  # a strided view

@@ -83,7 +83,8 @@ class EngineCore:
         self.grammars = Grammars(tokenizer, sorted(eos), model.config.vocab_size)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._default_generator = torch.Generator().manual_seed(config.seed)
+        # Unseeded requests draw from it where the logits are: sampling runs on the device.
+        self._default_generator = torch.Generator(config.device).manual_seed(config.seed)
         self._lock = threading.RLock()
         self._work = threading.Condition(self._lock)
         self._counters = {"steps": 0, "generated_tokens": 0, "computed_tokens": 0, "failed_steps": 0}

@@ -89,7 +89,8 @@ class DecodeGraphs:
         )
 
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
-        """The step's logits [rows, vocab] (float32, on the host) for every row, in order."""
+        """The step's logits [rows, vocab] (float32, on the device) for every row, in order: a view of the
+        graph's output where the model computes in float32, read by the sampler before the next replay."""
         n = len(batch.seqs)
         size = next(b for b in self.buckets if b >= n)
         self._fill(batch, size)
@@ -100,7 +101,7 @@ class DecodeGraphs:
             self.replays += 1
         else:
             logits = self._forward(size)
-        return list(range(n)), logits[:n].float().cpu()
+        return list(range(n)), logits[:n].float()
 
     def _fill(self, batch: ScheduledBatch, size: int) -> None:
         """Copy the step's rows into the static buffers; rows from n to ``size`` read and write scratch."""

@@ -36,7 +36,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant  # linears padded to MIN_ROWS (engine/invariance.py)
 
     def run(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
-        """Compute the batch's new tokens; return the rows that reached their last token and their logits.
+        """Compute the batch's new tokens; return the rows that reached their last token and their logits
+        (float32, on the device: the sampler runs there and copies back only what it picked).
 
         A row whose prompt chunk stops short of the end produces no logits this step.
         """
@@ -76,7 +77,7 @@ class ModelRunner:
         if not last_rows:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
         logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
-        return last_rows, logits.float().cpu()
+        return last_rows, logits.float()
 
 
 def load_for_serving(path: str | Path, config: EngineConfig, progress: bool = False) -> torch.nn.Module:
