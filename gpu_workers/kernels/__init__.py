@@ -52,12 +52,16 @@ def use_cpu_kernels(device: torch.device) -> bool:
 
 
 def backend(device: torch.device) -> str:
-    """The kernels work on ``device`` runs: "triton", "cpu" (numba) or "reference" (torch)."""
-    if use_triton(device):
-        return "triton"
-    if use_cpu_kernels(device):
-        return "cpu"
-    return "reference"
+    """The kernels work on ``device`` runs: "triton", "cpu" (numba) or "reference" (torch). The mode is read
+    once here (every norm of a step asks)."""
+    mode = kernel_mode()
+    if mode == "auto":
+        if device.type == "cuda" and find_spec("triton") is not None:
+            return "triton"
+        if device.type == "cpu" and find_spec("numba") is not None:
+            return "cpu"
+        return "reference"
+    return "triton" if use_triton(device) else "reference"
 
 
 def interpreted() -> bool:

@@ -40,6 +40,7 @@ class DecodeStep(NamedTuple):
     tables: np.ndarray  # [B, P] int32
     lens: np.ndarray  # [B] int32
     page_size: int
+    calls: dict  # (layer, kernels, scale, window) -> (kernel, arguments): filled by the step's first calls
 
 
 def cache_layer(
@@ -154,18 +155,30 @@ def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, 
 
 def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window, out) -> None:
     """Call the FP8, the INT8 or the plain kernel of ``kernels`` with its own leading arguments ``lead``,
-    then the layer's cache, the step's rows and ``out`` (fp32, what the attention writes)."""
+    then the layer's cache, the step's rows and ``out`` (fp32 [B, heads, dim], what the attention writes).
+    The kernel and the arguments between ``lead`` and ``out`` are chosen once per step and layer (the step's
+    ``calls``): a step calls this once per layer."""
+    key = (id(layer), kernels, scale, sliding_window)
+    call = step.calls.get(key)
+    if call is None:
+        call = step.calls[key] = _middle(kernels, layer, step, scale, sliding_window)
+    kernel, middle = call
+    kernel(*lead, *middle, out)
+
+
+def _middle(kernels, layer: CacheLayer, step: DecodeStep, scale, sliding_window) -> tuple:
+    """(the kernel of ``kernels`` for this layer's format, its arguments after its leading ones and before
+    ``out``)."""
     fp8_kernel, int8_kernel, plain_kernel = kernels
-    rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0, out.numpy())
+    rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0)
     if layer.fp8:
         cache = (layer.k, layer.v, layer.k_scale, layer.v_scale, step.slot_mapping, step.page_size)
-        fp8_kernel(*lead, *cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
-    elif layer.int8:  # keys and queries rotated inside: the scale divided by the rotation's size
+        return fp8_kernel, (*cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
+    if layer.int8:  # keys and queries rotated inside: the scale divided by the rotation's size
         block = layer.key_block
         cache = (layer.k, layer.v, layer.k_scale, block, step.slot_mapping, step.page_size)
-        int8_kernel(*lead, *cache, step.tables, step.lens, np.float32(scale / block), *rows[3:])
-    else:
-        plain_kernel(*lead, layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
+        return int8_kernel, (*cache, step.tables, step.lens, np.float32(scale / block), *rows[3:])
+    return plain_kernel, (layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
 
 
 def write_and_decode_cpu(
@@ -182,10 +195,10 @@ def write_and_decode_cpu(
     ``write_kv_int8_cpu`` writes them; unquantised caches take them as they are, so k and v must be in the
     cache's dtype), then ``paged_decode_attention_cpu`` of q
     [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = np.empty(q.shape, np.float32)
     lead = (host_array(q), host_array(k), host_array(v))
-    _run((_fp8_step, _int8_step, _plain_step), lead, layer, step, scale, sliding_window, out)
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    _run(_KERNELS, lead, layer, step, scale, sliding_window, out)
+    return _returned(out, q.dtype)
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -247,7 +260,17 @@ def rotate_write_and_decode_cpu(
     tokens, dim = qkv.shape[0], cos.shape[1]
     packed = host_array(qkv)
     v = packed[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)  # a view: no copy
-    out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+    out = np.empty((tokens, heads, dim), np.float32)
     lead = (packed, cos, sin, heads, kv_heads, v)
-    _run((_rope_fp8_step, _rope_int8_step, _rope_plain_step), lead, layer, step, scale, sliding_window, out)
-    return out if qkv.dtype == torch.float32 else out.to(qkv.dtype)
+    _run(_ROPE_KERNELS, lead, layer, step, scale, sliding_window, out)
+    return _returned(out, qkv.dtype)
+
+
+def _returned(out: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's fp32 output as a tensor in ``dtype`` (bf16: rounded to nearest even, as ``.to`` does)."""
+    result = torch.from_numpy(out)
+    return result if dtype == torch.float32 else result.to(dtype)
+
+
+_KERNELS = (_fp8_step, _int8_step, _plain_step)
+_ROPE_KERNELS = (_rope_fp8_step, _rope_int8_step, _rope_plain_step)

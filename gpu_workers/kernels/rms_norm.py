@@ -37,13 +37,13 @@ def add_rms_norm(
     """(``weight * norm(x + residual)``, ``x + residual``) for x, residual [T, hidden]: one Triton kernel, or
     one numba call on the CPU (``rms_norm_cpu``: the reference's bits), else the reference."""
     kernels = backend(x.device)
-    if kernels == "triton" and x.dim() == 2:
+    if kernels == "cpu":
+        from gpu_workers.kernels import rms_norm_cpu
+
+        if rms_norm_cpu.cpu_norm_supported(x, weight):
+            return rms_norm_cpu.add_rms_norm_cpu(x, residual, weight, eps)
+    elif kernels == "triton" and x.dim() == 2:
         from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
-    if kernels == "cpu":
-        from gpu_workers.kernels.rms_norm_cpu import add_rms_norm_cpu, cpu_norm_supported
-
-        if cpu_norm_supported(x, weight):
-            return add_rms_norm_cpu(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)

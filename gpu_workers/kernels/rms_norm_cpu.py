@@ -138,7 +138,7 @@ def _add_rms_norm_at(x, residual, add, weight, eps, normed, summed, rows, dim, l
         numba.carray(pointer(residual, like), shape),
         add,
         numba.carray(pointer(weight, like), (dim,)),
-        eps,
+        np.float32(eps),  # torch adds eps in float32
         numba.carray(pointer(normed, like), shape),
         numba.carray(pointer(summed, like), shape),
     )
@@ -146,13 +146,7 @@ def _add_rms_norm_at(x, residual, add, weight, eps, normed, summed, rows, dim, l
 
 def cpu_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``add_rms_norm_cpu`` serves these rows: [T, H] bf16 or fp32 on the CPU, weight alike."""
-    return (
-        x.dim() == 2
-        and x.dtype in _ELEMENTS
-        and weight.dtype == x.dtype
-        and x.device.type == "cpu"
-        and x.shape[1] < 32768
-    )
+    return x.dtype in _ELEMENTS and weight.dtype == x.dtype and x.dim() == 2 and x.shape[1] < 32768
 
 
 def add_rms_norm_cpu(
@@ -161,23 +155,24 @@ def add_rms_norm_cpu(
     """``add_rms_norm_reference``'s (``weight * norm(x + residual)``, ``x + residual``), to the bit, in one
     call; ``cpu_norm_supported`` rows only."""
     x = x.contiguous()
-    normed = torch.empty_like(x)
+    rows, dim = x.shape
+    normed = torch.empty((rows, dim), dtype=x.dtype)
     if residual is None:
         summed = x
     else:
         residual = residual.contiguous()
-        summed = torch.empty_like(x)
+        summed = torch.empty((rows, dim), dtype=x.dtype)
     weight = weight.contiguous()
     _add_rms_norm_at(
         x.data_ptr(),
-        x.data_ptr() if residual is None else residual.data_ptr(),
+        summed.data_ptr() if residual is None else residual.data_ptr(),
         residual is not None,
         weight.data_ptr(),
-        np.float32(eps),
+        eps,
         normed.data_ptr(),
         summed.data_ptr(),
-        x.shape[0],
-        x.shape[1],
+        rows,
+        dim,
         _ELEMENTS[x.dtype],
     )
     return normed, summed

@@ -4,6 +4,8 @@
 device runs (``kernels.backend``: Triton, the numba CPU kernels or the torch references; a CUDA-graphed
 step calls it the same way on static buffers). With ``rotary`` the standard rotation of q and k happens
 here, inside the K/V write where a kernel can (q, k and v then views of one fused projection output).
+A model with fused projections hands that output over whole: ``attn.rotate_and_attend(layer, qkv, cos, sin,
+heads, kv_heads, scale, sliding_window)``, the same attention without splitting it first.
 """
 
 from __future__ import annotations
@@ -130,13 +132,14 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        from gpu_workers.kernels.decode_step_cpu import rotate_write_and_decode_cpu
-        from gpu_workers.kernels.paged_attention_cpu import host_array
+        from gpu_workers.kernels import decode_step_cpu
 
         if self._rotary is None or self._rotary[0] is not cos:
+            from gpu_workers.kernels.paged_attention_cpu import host_array
+
             self._rotary = (cos, host_array(cos.contiguous()), host_array(sin.contiguous()))
         _, cos_array, sin_array = self._rotary
-        return rotate_write_and_decode_cpu(
+        return decode_step_cpu.rotate_write_and_decode_cpu(
             qkv,
             cos_array,
             sin_array,
@@ -207,4 +210,5 @@ def _cpu_decode_step(cache: KVCache, meta: AttentionMetadata):
         tables.numpy(),
         lens.numpy(),
         meta.page_size,
+        {},
     )

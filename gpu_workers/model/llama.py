@@ -48,6 +48,18 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: PagedAttention
     ) -> torch.Tensor:
         tokens = x.shape[0]
+        if self.qkv_proj is not None and self.q_norm is None:  # the fused output goes to attention whole
+            o = attn.rotate_and_attend(
+                self.layer_idx,
+                self.qkv_proj(x),
+                cos,
+                sin,
+                self.num_heads,
+                self.num_kv_heads,
+                self.scale,
+                self.sliding_window,
+            )
+            return self.o_proj(o.reshape(tokens, self.num_heads * self.head_dim))
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:

@@ -64,6 +64,24 @@ class CausalAttention:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(self.batch * self.seq_len, o.shape[1], o.shape[3])
 
+    def rotate_and_attend(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """``self(...)`` from a fused q/k/v projection's output [T, (heads + 2 kv_heads) * dim], q and k to be
+        rotated by ``cos``/``sin`` (the engine's attention interface for a model with fused projections)."""
+        dim = cos.shape[1]
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        shaped = (q.view(-1, heads, dim), k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim))
+        return self(layer, *shaped, scale, sliding_window, rotary=(cos, sin))
+
 
 def hf_config(
     vocab_size: int,
