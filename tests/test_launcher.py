@@ -265,8 +265,37 @@ def test_up_prints_url_and_key_serves_and_ctrl_c_stops_everything(data_dir):
     (data_dir / "first-key").write_text(up.key)
 
 
-def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everything(data_dir):
+@pytest.fixture(scope="module")
+def again(data_dir):
+    """``tessera up`` run again on the first test's data dir: the refusals test runs against it, then the test
+    of the second run stops it (SIGTERM), so the module starts one platform less."""
     up = start_up(data_dir)
+    yield up
+    if up.process.poll() is None:  # the second-run test failed before stopping it
+        stop_up(up, signal.SIGTERM)
+
+
+def test_a_second_up_on_the_same_data_dir_or_port_refuses_and_the_first_keeps_serving(again, tmp_path):
+    first = again
+    same_dir = start_up(first.data_dir, wait=False)
+    assert same_dir.process.wait(timeout=60) == 1
+    drain(same_dir, 2.0)
+    assert f"another `tessera up` (pid {first.process.pid}) is running" in same_dir.output
+    same_port = start_up(tmp_path / "second", port=first.port, wait=False)
+    assert same_port.process.wait(timeout=60) == 1
+    drain(same_port, 2.0)
+    assert f"pid {api_pid(first)} holds it" in same_port.output, same_port.output
+    for refused in (same_dir, same_port):
+        assert "embedded Redis" not in refused.output and "stopped." not in refused.output
+    # The first is untouched: its Redis, workers and API all still run, and it serves.
+    assert all(running(pid) for pid in first.pids)
+    key = first.key or (first.data_dir / "first-key").read_text()  # a second run prints no key
+    assert completion(first, key).status_code == 200
+    assert httpx.get(f"{first.url}/readyz").status_code == 200
+
+
+def test_up_again_reuses_the_data_dir_prints_no_new_key_and_sigterm_stops_everything(data_dir, again):
+    up = again
     try:
         assert up.key is None and "tenants exist already" in up.output
         assert "writing the demo model" not in up.output
@@ -358,29 +387,6 @@ def test_up_on_a_port_in_use_refuses_before_starting_anything(tmp_path):
     assert f"cannot listen on 127.0.0.1:{port}" in up.output and f"pid {os.getpid()} holds it" in up.output
     assert "embedded Redis" not in up.output and not (tmp_path / "tessera.db").exists()
     assert not started_for(tmp_path)
-
-
-def test_a_second_up_on_the_same_data_dir_or_port_refuses_and_the_first_keeps_serving(tmp_path):
-    first = start_up(tmp_path / "first")
-    try:
-        same_dir = start_up(tmp_path / "first", wait=False)
-        assert same_dir.process.wait(timeout=60) == 1
-        drain(same_dir, 2.0)
-        assert f"another `tessera up` (pid {first.process.pid}) is running" in same_dir.output
-        same_port = start_up(tmp_path / "second", port=first.port, wait=False)
-        assert same_port.process.wait(timeout=60) == 1
-        drain(same_port, 2.0)
-        assert f"pid {api_pid(first)} holds it" in same_port.output, same_port.output
-        for refused in (same_dir, same_port):
-            assert "embedded Redis" not in refused.output and "stopped." not in refused.output
-        # The first is untouched: its Redis, workers and API all still run, and it serves.
-        assert all(running(pid) for pid in first.pids)
-        assert completion(first).status_code == 200
-        assert httpx.get(f"{first.url}/readyz").status_code == 200
-    finally:
-        code = stop_up(first, signal.SIGTERM)
-    assert code == 0, first.output
-    assert_all_stopped(first)
 
 
 def stream_lines(up: Up, body: dict, key: str | None = None):
