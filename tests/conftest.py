@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, N test processes share the cores: each computes on cores // N threads (torch's here,
+    OMP_NUM_THREADS for the processes its tests start), as `tessera up` divides them among its workers. With
+    every process on every core, OpenMP threads spin waiting for each other: the SmolLM2 engines of
+    test_openai_sdk.py took 28 s for 24 greedy tokens on two threads beside other work, 1.4 s on one."""
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if processes > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 @pytest.fixture(scope="session")
