@@ -334,5 +334,6 @@ def test_gguf_bench_reports_each_format_from_its_own_process(tiny_dir):
         # One request's decode step and its linears alone (four a layer and the output projection), both
         # timed: which is larger is a measurement for BENCHMARKS.md, not something a test on a shared machine holds.
         assert entry["step_ms"]["mean"]["mean"] > 0 and entry["linear_ms"]["mean"]["mean"] > 0
+        assert entry["step_cpu_ms"]["mean"]["mean"] > 0 and entry["step_vs_linear_cpu"]["mean"]["mean"] > 0
         assert entry["linears"] == 4 * 2 + 1
     assert report["formats"]["auto"]["tok_s"]["1"]["vs_auto"]["mean"] == 1.0

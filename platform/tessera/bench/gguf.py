@@ -2,7 +2,7 @@
 second load in the same process), resident memory (the process's growth from loading the engine and serving
 one request, with a 16 MiB KV cache; imports excluded), and decode tokens/s at each concurrency; at one request, the decode step's median time against the time its
 linear layers alone take in the same process (every linear the step calls, the output projection included,
-on the inputs it gave them).
+on the inputs it gave them), on wall-clock time and on the thread's CPU time.
 
 Every (format, repeat) runs in its own process, formats interleaved repeat by repeat, so each process's memory
 is its own and a slow moment of the machine lands on every format alike. Ratios are paired by repeat against
@@ -109,23 +109,29 @@ def step_profile(engine, prompt: list[int], tokens: int) -> dict:
         hook.remove()
     del model.compute_logits
     # Each step followed by one pass of its linears: a busy machine slows both alike, and the ratio is taken
-    # pair by pair.
-    steps, linears = [], []
+    # pair by pair; on wall-clock time and on the thread's own CPU time (what other processes' load moves
+    # least: time spent waiting for a core is not counted).
+    steps, linears, step_cpu, linear_cpu = [], [], [], []
     while engine.has_unfinished():
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         engine.step()
         steps.append(time.perf_counter() - started)
-        started = time.perf_counter()
+        step_cpu.append(time.thread_time() - cpu)
+        started, cpu = time.perf_counter(), time.thread_time()
         with torch.inference_mode():
             for module, x in calls:
                 module(x)
         linears.append(time.perf_counter() - started)
+        linear_cpu.append(time.thread_time() - cpu)
     step, linear = statistics.median(steps), statistics.median(linears)
     ratio = statistics.median(s / x for s, x in zip(steps, linears, strict=True))
+    ratio_cpu = statistics.median(s / x for s, x in zip(step_cpu, linear_cpu, strict=True) if x > 0)
     return {
         "step_ms": step * 1e3,
         "linear_ms": linear * 1e3,
         "step_vs_linear": ratio,
+        "step_cpu_ms": statistics.median(step_cpu) * 1e3,
+        "step_vs_linear_cpu": ratio_cpu,
         "linears": len(calls),
     }
 
@@ -167,7 +173,7 @@ def run_gguf_bench(
             }
         if "step_ms" in rows[0]:
             entry["linears"] = rows[0]["linears"]
-            for key in ("step_ms", "linear_ms", "step_vs_linear"):
+            for key in ("step_ms", "linear_ms", "step_vs_linear", "step_cpu_ms", "step_vs_linear_cpu"):
                 entry[key] = {
                     "mean": mean_interval([x[key] for x in rows]),
                     "runs": [round(x[key], 2) for x in rows],
@@ -185,7 +191,8 @@ def run_gguf_bench(
         if "step_ms" in e:
             print(f"  decode step at 1 request: {format_interval(e['step_ms']['mean'], '.2f', ' ms')}, its linears alone "
                   f"{format_interval(e['linear_ms']['mean'], '.2f', ' ms')}: x{format_interval(e['step_vs_linear']['mean'], '.2f')}  "
-                  f"runs {e['step_vs_linear']['runs']}")  # fmt: skip
+                  f"runs {e['step_vs_linear']['runs']}; on thread CPU time x{format_interval(e['step_vs_linear_cpu']['mean'], '.2f')}  "
+                  f"runs {e['step_vs_linear_cpu']['runs']}")  # fmt: skip
     return report
 
 
