@@ -20,6 +20,31 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
+# The suite's slowest files, longest first (seconds, each alone in one xdist process on the 2-core VM,
+# 2026-12-06): they start first, so that CI's two processes end together instead of one running a long file
+# alone at the end. `.ci/run` passes --no-loadscope-reorder, or xdist would send the files holding the most
+# tests first (these hold few). The other files follow in their own order.
+SLOWEST_FILES = (
+    "test_bench_matrix.py",  # 300
+    "test_launcher.py",  # 170
+    "test_kernels.py",  # 160, numba compiling on a fresh clone
+    "test_tools.py",  # 90
+    "test_config_reload.py",  # 77
+    "test_openai_sdk.py",  # 66
+    "test_wheel.py",  # 58
+    "test_bench_serve.py",  # 45
+    "test_web_ui.py",  # 44
+    "test_soak.py",  # 43
+    "test_bench_serving.py",  # 43
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    # A stable sort: each file's tests keep their order, and the other files theirs.
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A random fp32 Llama checkpoint (GQA, no tokenizer files), written by transformers."""
