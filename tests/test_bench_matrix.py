@@ -300,34 +300,6 @@ def test_matrix_serves_each_configuration_counts_the_servers_tokens_and_restores
     assert all(not w["draining"] for w in decode["workers"])
 
 
-@pytest.mark.slow
-def test_matrix_stopped_mid_run_restores_the_original_config(up):
-    fields = ("kv_budget_bytes", "decode_kv", "integrity_check")
-    original = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", up.url]
-    command += ["--admin-key", up.key, "--api-key", up.key, "--model", DEFAULT_MODEL, "--axes", "kv"]
-    command += ["--concurrency", "1", "--input-len", "16", "--output-len", "4"]
-    command += ["--kv-budget-bytes", str(BUDGET + 2**20)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        # Stopped once its first change is committed: while its workers reload, or under load.
-        while admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")["kv_budget_bytes"] != BUDGET + 2**20:
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "the matrix made no change in 300 s"
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, f"{stdout}\n{stderr}"
-    assert "restoring the original config" in stderr
-    restored = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
-    assert {k: restored[k] for k in fields} == {k: original[k] for k in fields}
-
-
 COLOCATED = "@tessera/pycode-tiny-colocated"
 
 
@@ -457,3 +429,34 @@ def test_matrix_mode_axis_compares_a_colocated_and_a_disaggregated_deployment(up
             k: originals[name][k] for k in report["original_config"]
         }
     assert report["mode_deployment"]["restored_config"] == report["mode_deployment"]["original_config"]
+
+
+# Last in the module: its change and the restore right after it can leave a pool with two workers (the worker
+# made stale by the change is current again once it is restored, while the successor started for it comes up
+# too), which the mode test above would count; the other tests begin from a finished reload.
+@pytest.mark.slow
+def test_matrix_stopped_mid_run_restores_the_original_config(up):
+    fields = ("kv_budget_bytes", "decode_kv", "integrity_check")
+    original = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    command = [sys.executable, "-m", "tessera.cli", "bench", "matrix", "--url", up.url]
+    command += ["--admin-key", up.key, "--api-key", up.key, "--model", DEFAULT_MODEL, "--axes", "kv"]
+    command += ["--concurrency", "1", "--input-len", "16", "--output-len", "4"]
+    command += ["--kv-budget-bytes", str(BUDGET + 2**20)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        # Stopped once its first change is committed: while its workers reload, or under load.
+        while admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")["kv_budget_bytes"] != BUDGET + 2**20:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the matrix made no change in 300 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, f"{stdout}\n{stderr}"
+    assert "restoring the original config" in stderr
+    restored = admin_get(up, f"/admin/deployments/{DEFAULT_MODEL}")
+    assert {k: restored[k] for k in fields} == {k: original[k] for k in fields}

@@ -290,7 +290,8 @@ def test_a_second_up_on_the_same_data_dir_or_port_refuses_and_the_first_keeps_se
     # The first is untouched: its Redis, workers and API all still run, and it serves.
     assert all(running(pid) for pid in first.pids)
     key = first.key or (first.data_dir / "first-key").read_text()  # a second run prints no key
-    assert completion(first, key).status_code == 200
+    served = completion(first, key)
+    assert served.status_code == 200, served.text
     assert httpx.get(f"{first.url}/readyz").status_code == 200
 
 
