@@ -67,5 +67,13 @@ def test_decoder_norms_take_the_cpu_kernel_only_on_the_cpu_kernels(monkeypatch):
     monkeypatch.setenv("TESSERA_KERNELS", "reference")
     assert torch.equal(add_rms_norm(x, residual, weight, 1e-5)[0], real(x, residual, weight, 1e-5)[0])
     assert len(calls) == 1
-    # Mixed dtypes (bf16 rows, fp32 weights) are the reference's: the kernel declines them.
-    assert not cpu_norm_supported(x, weight.float())
+    # What the kernel cannot read by address is the reference's: other dtypes, a broadcast residual.
+    assert cpu_norm_supported(x, residual, weight) and cpu_norm_supported(x, None, weight)
+    assert not cpu_norm_supported(x, residual, weight.float())
+    assert not cpu_norm_supported(x.float(), residual, weight.float())
+    assert not cpu_norm_supported(x, residual[:1], weight)
+    assert not cpu_norm_supported(x, residual, weight[:32])
+    monkeypatch.setenv("TESSERA_KERNELS", "auto")
+    broadcast = add_rms_norm(x, residual[:1], weight, 1e-5)
+    assert torch.equal(broadcast[0], add_rms_norm_reference(x, residual[:1], weight, 1e-5)[0])
+    assert len(calls) == 1

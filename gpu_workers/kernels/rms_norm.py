@@ -40,7 +40,7 @@ def add_rms_norm(
     if kernels == "cpu":
         from gpu_workers.kernels import rms_norm_cpu
 
-        if rms_norm_cpu.cpu_norm_supported(x, weight):
+        if rms_norm_cpu.cpu_norm_supported(x, residual, weight):
             return rms_norm_cpu.add_rms_norm_cpu(x, residual, weight, eps)
     elif kernels == "triton" and x.dim() == 2:
         from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton

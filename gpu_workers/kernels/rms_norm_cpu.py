@@ -144,9 +144,18 @@ def _add_rms_norm_at(x, residual, add, weight, eps, normed, summed, rows, dim, l
     )
 
 
-def cpu_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``add_rms_norm_cpu`` serves these rows: [T, H] bf16 or fp32 on the CPU, weight alike."""
-    return x.dtype in _ELEMENTS and weight.dtype == x.dtype and x.dim() == 2 and x.shape[1] < 32768
+def cpu_norm_supported(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm_cpu`` serves these rows: x [T, H] bf16 or fp32 on the CPU, the residual (if
+    any) of the same shape and dtype, the weight [H] alike. The kernel reads memory by address: anything
+    else (a broadcast, another dtype) is the reference's."""
+    return (
+        x.dtype in _ELEMENTS
+        and x.dim() == 2
+        and x.shape[1] < 32768
+        and weight.dtype == x.dtype
+        and weight.shape == x.shape[1:]
+        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+    )
 
 
 def add_rms_norm_cpu(
