@@ -12,7 +12,12 @@ def pytest_configure(config):
     """Under pytest-xdist, N test processes share the cores: each computes on cores // N threads (torch's here,
     OMP_NUM_THREADS for the processes its tests start), as `tessera up` divides them among its workers. With
     every process on every core, OpenMP threads spin waiting for each other: the SmolLM2 engines of
-    test_openai_sdk.py took 28 s for 24 greedy tokens on two threads beside other work, 1.4 s on one."""
+    test_openai_sdk.py took 28 s for 24 greedy tokens on two threads beside other work, 1.4 s on one.
+
+    xdist 3.8+ would also re-sort the test files by how many tests they hold, undoing SLOWEST_FILES' order: it
+    is told not to, as ``--no-loadscope-reorder`` would (older versions keep the collection's order)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if processes > 1:
         threads = max(1, len(os.sched_getaffinity(0)) // processes)
@@ -22,8 +27,8 @@ def pytest_configure(config):
 
 # The suite's slowest files, longest first (seconds, each alone in one xdist process on the 2-core VM,
 # 2026-12-06): they start first, so that CI's two processes end together instead of one running a long file
-# alone at the end. `.ci/run` passes --no-loadscope-reorder, or xdist would send the files holding the most
-# tests first (these hold few). The other files follow in their own order.
+# alone at the end (xdist's own order sends the files holding the most tests first, and these hold few). The
+# other files follow in their own order.
 SLOWEST_FILES = (
     "test_bench_matrix.py",  # 300
     "test_launcher.py",  # 170
