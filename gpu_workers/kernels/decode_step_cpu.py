@@ -196,7 +196,9 @@ def write_and_decode_cpu(
     cache's dtype), then ``paged_decode_attention_cpu`` of q
     [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
     out = np.empty(q.shape, np.float32)
-    lead = (host_array(q), host_array(k), host_array(v))
+    # q and k C-contiguous, as the rotation in rotate_write_and_decode_cpu makes them: numba compiles once per
+    # array layout (views of a fused projection are 'A'), so both entry points share one compile per dtype.
+    lead = (np.ascontiguousarray(host_array(q)), np.ascontiguousarray(host_array(k)), host_array(v))
     _run(_KERNELS, lead, layer, step, scale, sliding_window, out)
     return _returned(out, q.dtype)
 
