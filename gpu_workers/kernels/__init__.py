@@ -48,7 +48,7 @@ def use_triton(device: torch.device) -> bool:
 
 def use_cpu_kernels(device: torch.device) -> bool:
     """Whether work on ``device`` runs the numba CPU kernels (``TESSERA_KERNELS=auto`` on a CPU tensor)."""
-    return device.type == "cpu" and kernel_mode() == "auto" and find_spec("numba") is not None
+    return backend(device) == "cpu"
 
 
 def backend(device: torch.device) -> str:

@@ -44,6 +44,15 @@ def _ceil_log2(x):
     return bits
 
 
+@numba.njit(inline="always", **_JIT)
+def _add_vectors(acc, squares, i, width):
+    """The four vectors side by side at index ``i`` onto the cascade's first level, lane by lane."""
+    for k in range(_ILP):
+        base = (i * _ILP + k) * width
+        for lane in range(width):
+            acc[0, k, lane] += squares[base + lane]
+
+
 @numba.njit(**_JIT)
 def _row_sum(squares, width):
     """Torch's ``row_sum`` over ``squares`` [n // width, width] read as vectors of ``width`` lanes (8, or 1
@@ -58,10 +67,7 @@ def _row_sum(squares, width):
     i = 0
     while i + level_step <= size_ilp:
         for _ in range(level_step):
-            for k in range(_ILP):
-                base = (i * _ILP + k) * width
-                for lane in range(width):
-                    acc[0, k, lane] += squares[base + lane]
+            _add_vectors(acc, squares, i, width)
             i += 1
         for j in range(1, _LEVELS):
             for k in range(_ILP):
@@ -71,10 +77,7 @@ def _row_sum(squares, width):
             if i & (level_mask << (j * level_power)) != 0:
                 break
     while i < size_ilp:
-        for k in range(_ILP):
-            base = (i * _ILP + k) * width
-            for lane in range(width):
-                acc[0, k, lane] += squares[base + lane]
+        _add_vectors(acc, squares, i, width)
         i += 1
     for j in range(1, _LEVELS):
         for k in range(_ILP):
