@@ -100,6 +100,7 @@ class Quantising:
 
     def __init__(self, inner, k: Transform | None, v: Transform | None, layer: int | None = None):
         self.inner, self.k, self.v, self.layer = inner, k, v, layer
+        self.backend = inner.backend  # the step's kernels, as the layers ask the attention
 
     def __call__(self, layer, q, k, v, scale, sliding_window=None, rotary=None):
         q, k = rotate(q, k, rotary)
@@ -112,6 +113,7 @@ class Quantising:
 class Recording:
     def __init__(self, inner, store: dict):
         self.inner, self.store = inner, store
+        self.backend = inner.backend
 
     def __call__(self, layer, q, k, v, scale, sliding_window=None, rotary=None):
         q, k = rotate(q, k, rotary)

@@ -92,8 +92,16 @@ def decode_step_launches(monkeypatch, kv_dtype: torch.dtype) -> tuple[list[str],
     counter = Launches()
     monkeypatch.setattr(InterpretedFunction, "run", counter.kernel(InterpretedFunction.run))
     layer = model.model.layers[1]
-    layer.register_forward_pre_hook(lambda *_: setattr(counter, "where", "layer"))
-    layer.register_forward_hook(lambda *_: setattr(counter, "where", "step"))
+    layer_forward = layer.forward  # the stack calls each layer's forward (no module call, no hooks)
+
+    def counted_layer(*args):
+        counter.where = "layer"
+        try:
+            return layer_forward(*args)
+        finally:
+            counter.where = "step"
+
+    monkeypatch.setattr(layer, "forward", counted_layer)
     ids, positions = torch.tensor([5, 7]), torch.tensor([5, 10])  # on a GPU: the step's input copies
     with torch.inference_mode(), counter:
         hidden = model(ids, positions, PagedAttention(cache, meta))

@@ -28,7 +28,10 @@ def find_spec(name: str):
 
 
 def kernel_mode() -> str:
-    mode = os.environ.get(KERNELS_ENV, "auto")
+    return _checked(os.environ.get(KERNELS_ENV, "auto"))
+
+
+def _checked(mode: str) -> str:
     if mode not in KERNEL_MODES:
         raise ValueError(f"{KERNELS_ENV}={mode!r} is not a kernel mode; use one of {', '.join(KERNEL_MODES)}")
     return mode
@@ -40,10 +43,14 @@ def use_triton(device: torch.device) -> bool:
     if mode == "reference":
         return False
     if mode == "triton":
-        if find_spec("triton") is None:
-            raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed: pip install triton")
-        return True
+        return _triton_forced()
     return device.type == "cuda" and find_spec("triton") is not None
+
+
+def _triton_forced() -> bool:
+    if find_spec("triton") is None:
+        raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed: pip install triton")
+    return True
 
 
 def use_cpu_kernels(device: torch.device) -> bool:
@@ -52,16 +59,26 @@ def use_cpu_kernels(device: torch.device) -> bool:
 
 
 def backend(device: torch.device) -> str:
-    """The kernels work on ``device`` runs: "triton", "cpu" (numba) or "reference" (torch). The mode is read
-    once here (every norm of a step asks)."""
-    mode = kernel_mode()
-    if mode == "auto":
-        if device.type == "cuda" and find_spec("triton") is not None:
+    """The kernels work on ``device`` runs: "triton", "cpu" (numba) or "reference" (torch). Asked by every
+    norm and activation of a step: the answer is kept per device type and mode, only the mode read again."""
+    return _backend(device.type, os.environ.get(KERNELS_ENV, "auto"))
+
+
+@functools.cache
+def _backend(device_type: str, mode: str) -> str:
+    if _checked(mode) == "auto":
+        if device_type == "cuda" and find_spec("triton") is not None:
             return "triton"
-        if device.type == "cpu" and find_spec("numba") is not None:
+        if device_type == "cpu" and find_spec("numba") is not None:
             return "cpu"
         return "reference"
-    return "triton" if use_triton(device) else "reference"
+    return "triton" if mode == "triton" and _triton_forced() else "reference"
+
+
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on ``tensors``: the kernels record nothing, so such work (training)
+    is the references'."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def interpreted() -> bool:

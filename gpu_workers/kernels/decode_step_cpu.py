@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gpu_workers.kernels.kv_write_cpu import _copy, _hadamard, _write, _write_int8
-from gpu_workers.kernels.numba_bits import narrow, widen
+from gpu_workers.kernels.numba_bits import narrow, pointer, widen
 from gpu_workers.kernels.paged_attention_cpu import _HALF_FP8_OFFSET, _decode, _unit_scales, host_array
 
 
@@ -63,6 +63,7 @@ def cache_layer(
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def _fp8_step(
+    out,
     q,
     k,
     v,
@@ -79,7 +80,6 @@ def _fp8_step(
     lens,
     scale,
     window,
-    out,
 ):
     _write(k, layer_k, step_slots, k_scale, page_size, token_seq, prev_page, dynamic)
     _write(v, layer_v, step_slots, v_scale, page_size, token_seq, prev_page, dynamic)
@@ -121,7 +121,7 @@ def _rotated(x, block, rounded):
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
 def _int8_step(
-    q, k, v, layer_k, layer_v, ones, block, step_slots, page_size, tables, lens, scale, window, out
+    out, q, k, v, layer_k, layer_v, ones, block, step_slots, page_size, tables, lens, scale, window
 ):
     """INT8: keys and queries rotated (``block``; ``scale`` already divided by it), then write and attend."""
     _write_int8(_rotated(k, block, False), layer_k, step_slots)
@@ -145,7 +145,7 @@ def _int8_step(
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window, out):
+def _plain_step(out, q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, lens, scale, window):
     _copy(k, layer_k, step_slots)
     _copy(v, layer_v, step_slots)
     _decode(
@@ -153,22 +153,20 @@ def _plain_step(q, k, v, layer_k, layer_v, ones, step_slots, page_size, tables, 
     )
 
 
-def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window, out) -> None:
-    """Call the FP8, the INT8 or the plain kernel of ``kernels`` with its own leading arguments ``lead``,
-    then the layer's cache, the step's rows and ``out`` (fp32 [B, heads, dim], what the attention writes).
-    The kernel and the arguments between ``lead`` and ``out`` are chosen once per step and layer (the step's
-    ``calls``): a step calls this once per layer."""
+def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window) -> None:
+    """Call the FP8, the INT8 or the plain kernel of ``kernels`` with its own leading arguments ``lead`` (the
+    output first), then the layer's cache and the step's rows. The kernel and the arguments after ``lead``
+    are chosen once per step and layer (the step's ``calls``): a step calls this once per layer."""
     key = (id(layer), kernels, scale, sliding_window)
     call = step.calls.get(key)
     if call is None:
         call = step.calls[key] = _middle(kernels, layer, step, scale, sliding_window)
     kernel, middle = call
-    kernel(*lead, *middle, out)
+    kernel(*lead, *middle)
 
 
 def _middle(kernels, layer: CacheLayer, step: DecodeStep, scale, sliding_window) -> tuple:
-    """(the kernel of ``kernels`` for this layer's format, its arguments after its leading ones and before
-    ``out``)."""
+    """(the kernel of ``kernels`` for this layer's format, its arguments after its leading ones)."""
     fp8_kernel, int8_kernel, plain_kernel = kernels
     rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0)
     if layer.fp8:
@@ -195,12 +193,12 @@ def write_and_decode_cpu(
     ``write_kv_int8_cpu`` writes them; unquantised caches take them as they are, so k and v must be in the
     cache's dtype), then ``paged_decode_attention_cpu`` of q
     [B, heads, dim]. The same results as those two calls, without their per-call tensor handling."""
-    out = np.empty(q.shape, np.float32)
+    out = torch.empty(q.shape, dtype=q.dtype)
     # q and k C-contiguous, as the rotation in rotate_write_and_decode_cpu makes them: numba compiles once per
     # array layout (views of a fused projection are 'A'), so both entry points share one compile per dtype.
-    lead = (np.ascontiguousarray(host_array(q)), np.ascontiguousarray(host_array(k)), host_array(v))
-    _run(_KERNELS, lead, layer, step, scale, sliding_window, out)
-    return _returned(out, q.dtype)
+    q_array, k_array = np.ascontiguousarray(host_array(q)), np.ascontiguousarray(host_array(k))
+    _run(_KERNELS, (host_array(out), q_array, k_array, host_array(v)), layer, step, scale, sliding_window)
+    return out
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -227,21 +225,35 @@ def _rotate(qkv, cos, sin, heads, kv_heads):
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _rope_fp8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
+def _fused(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads):
+    """The output rows [T, heads, dim] at ``out_address``, and q, k (rotated: ``_rotate``) and v [T, kv_heads,
+    dim] of the fused projection output [T, (heads + 2 kv_heads) * dim] at ``qkv_address``, all of ``like``'s
+    element type (memory given by address: a call makes no numpy array per tensor)."""
+    dim = cos.shape[1]
+    qkv = numba.carray(pointer(qkv_address, like), (tokens, (heads + 2 * kv_heads) * dim))
     q, k = _rotate(qkv, cos, sin, heads, kv_heads)
-    _fp8_step(q, k, v, *rest)
+    v = np.empty((tokens, kv_heads, dim), qkv.dtype)
+    first = (heads + kv_heads) * dim
+    for t in range(tokens):
+        for h in range(kv_heads):
+            for d in range(dim):
+                v[t, h, d] = qkv[t, first + h * dim + d]
+    return numba.carray(pointer(out_address, like), (tokens, heads, dim)), q, k, v
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _rope_int8_step(qkv, cos, sin, heads, kv_heads, v, *rest):
-    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
-    _int8_step(q, k, v, *rest)
+def _rope_fp8_step(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads, *rest):
+    _fp8_step(*_fused(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads), *rest)
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
-def _rope_plain_step(qkv, cos, sin, heads, kv_heads, v, *rest):
-    q, k = _rotate(qkv, cos, sin, heads, kv_heads)
-    _plain_step(q, k, v, *rest)
+def _rope_int8_step(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads, *rest):
+    _int8_step(*_fused(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads), *rest)
+
+
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def _rope_plain_step(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads, *rest):
+    _plain_step(*_fused(out_address, qkv_address, like, tokens, cos, sin, heads, kv_heads), *rest)
 
 
 def rotate_write_and_decode_cpu(
@@ -260,19 +272,14 @@ def rotate_write_and_decode_cpu(
     as ``kernels.rotary.apply_rotary`` rotates them: the q/k/v split, the rotation, the K/V write and the
     attention in one kernel call. Returns [B, heads, dim] in qkv's dtype."""
     tokens, dim = qkv.shape[0], cos.shape[1]
-    packed = host_array(qkv)
-    v = packed[:, (heads + kv_heads) * dim :].reshape(tokens, kv_heads, dim)  # a view: no copy
-    out = np.empty((tokens, heads, dim), np.float32)
-    lead = (packed, cos, sin, heads, kv_heads, v)
-    _run(_ROPE_KERNELS, lead, layer, step, scale, sliding_window, out)
-    return _returned(out, qkv.dtype)
+    out = torch.empty((tokens, heads, dim), dtype=qkv.dtype)
+    like = _ELEMENTS[qkv.dtype]
+    lead = (out.data_ptr(), qkv.data_ptr(), like, tokens, cos, sin, heads, kv_heads)
+    _run(_ROPE_KERNELS, lead, layer, step, scale, sliding_window)
+    return out
 
 
-def _returned(out: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The kernel's fp32 output as a tensor in ``dtype`` (bf16: rounded to nearest even, as ``.to`` does)."""
-    result = torch.from_numpy(out)
-    return result if dtype == torch.float32 else result.to(dtype)
-
-
+# What a tensor's element is, as the kernels' pointers are typed: bf16 bits or float32.
+_ELEMENTS = {torch.bfloat16: np.empty(0, np.uint16), torch.float32: np.empty(0, np.float32)}
 _KERNELS = (_fp8_step, _int8_step, _plain_step)
 _ROPE_KERNELS = (_rope_fp8_step, _rope_int8_step, _rope_plain_step)

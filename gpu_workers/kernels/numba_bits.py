@@ -1,5 +1,6 @@
 """Bit-level helpers for the numba CPU kernels: reinterpret float32 <-> uint32, widen a stored element to
-float32, and a cache prefetch hint."""
+float32, float32 fused multiply-add and round-to-integer (the operations a vectorised library's formula is
+written in), and a cache prefetch hint."""
 
 from __future__ import annotations
 
@@ -27,6 +28,34 @@ def as_uint32(typingctx, value):
         return builder.bitcast(args[0], context.get_value_type(types.uint32))
 
     return types.uint32(types.float32), codegen
+
+
+def _call_float32(builder, name: str, values: list) -> ir.Value:
+    """LLVM's float32 intrinsic ``name`` applied to ``values``."""
+    f32 = ir.FloatType()
+    function = builder.module.declare_intrinsic(name, [f32], ir.FunctionType(f32, [f32] * len(values)))
+    return builder.call(function, values)
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """a * b + c in float32, rounded once (an FMA instruction), as a vectorised library built for FMA
+    computes it."""
+
+    def codegen(context, builder, signature, args):
+        return _call_float32(builder, "llvm.fma", list(args))
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def rint(typingctx, x):
+    """float32 ``x`` rounded to the nearest integer, ties to even (the CPU's default rounding mode)."""
+
+    def codegen(context, builder, signature, args):
+        return _call_float32(builder, "llvm.rint", list(args))
+
+    return types.float32(types.float32), codegen
 
 
 @intrinsic

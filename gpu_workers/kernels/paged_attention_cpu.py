@@ -32,7 +32,7 @@ import numba
 import numpy as np
 import torch
 
-from gpu_workers.kernels.numba_bits import as_float32, prefetch, widen
+from gpu_workers.kernels.numba_bits import as_float32, narrow, prefetch, widen
 
 # Reassociation lets the dot products vectorise; no finite-math assumption (scores may be large).
 _JIT = {
@@ -240,7 +240,8 @@ def _accumulate(acc, probs, t, inv, factor, src, first, head):
 
 @numba.njit(**_JIT)
 def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, half_offset, entries, out):
-    """``entries``: K and V are INT8 entries, each scaled by its own scale (``k_scale``/``v_scale`` are ones)."""
+    """``out``: float32, or bf16 bits (uint16: each value rounded to nearest even, as ``.to`` rounds).
+    ``entries``: K and V are INT8 entries, each scaled by its own scale (``k_scale``/``v_scale`` are ones)."""
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -329,7 +330,7 @@ def _decode(q, k, v, tables, lens, page_size, scale, window, k_scale, v_scale, h
                             acc[g, d] += w * vals[0, 0, d]
             for g in range(group):
                 for d in range(dim):
-                    out[b, h * group + g, d] = acc[g, d] * out_offset
+                    out[b, h * group + g, d] = narrow(acc[g, d] * out_offset, out)
 
 
 def supports(k_slots: torch.Tensor, q: torch.Tensor) -> bool:

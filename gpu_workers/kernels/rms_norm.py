@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_workers.kernels import backend
+from gpu_workers.kernels import backend, records_grad
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,18 +32,36 @@ def add_rms_norm_reference(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    kernels: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``weight * norm(x + residual)``, ``x + residual``) for x, residual [T, hidden]: one Triton kernel, or
-    one numba call on the CPU (``rms_norm_cpu``: the reference's bits), else the reference."""
-    kernels = backend(x.device)
+        one numba call on the CPU (``rms_norm_cpu``: the reference's bits), else (and where autograd records:
+    training) the reference. ``kernels``:
+        ``kernels.backend(x.device)`` where the caller knows it (a step asks once, not at every norm)."""
+    kernels = kernels or backend(x.device)
+    if records_grad(x, residual, weight):
+        kernels = "reference"
     if kernels == "cpu":
-        from gpu_workers.kernels import rms_norm_cpu
-
-        if rms_norm_cpu.cpu_norm_supported(x, residual, weight):
-            return rms_norm_cpu.add_rms_norm_cpu(x, residual, weight, eps)
+        cpu = _cpu or _import_cpu()
+        if cpu.cpu_norm_supported(x, residual, weight):
+            return cpu.add_rms_norm_cpu(x, residual, weight, eps)
     elif kernels == "triton" and x.dim() == 2:
         from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
+
+
+_cpu = None  # rms_norm_cpu once imported: numba is imported where the CPU kernels run only
+
+
+def _import_cpu():
+    global _cpu
+    from gpu_workers.kernels import rms_norm_cpu
+
+    _cpu = rms_norm_cpu
+    return _cpu

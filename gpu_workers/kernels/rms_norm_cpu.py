@@ -168,12 +168,12 @@ def add_rms_norm_cpu(
     call; ``cpu_norm_supported`` rows only."""
     x = x.contiguous()
     rows, dim = x.shape
-    normed = torch.empty((rows, dim), dtype=x.dtype)
+    normed = torch.empty_like(x)  # x contiguous: a plain [rows, dim] tensor, and cheaper than torch.empty
     if residual is None:
         summed = x
     else:
         residual = residual.contiguous()
-        summed = torch.empty((rows, dim), dtype=x.dtype)
+        summed = torch.empty_like(x)
     weight = weight.contiguous()
     _add_rms_norm_at(
         x.data_ptr(),

@@ -38,8 +38,15 @@ class PagedAttention:
         SmolLM2's layers on an AVX-512 Xeon: 1 ulp)."""
         self.cache = cache
         self.meta = meta
-        self.backend = backend(meta.slot_mapping.device)
+        self.backend = backend(meta.slot_mapping.device)  # the layers' norms and activations run on it too
         self._decode_step = _cpu_decode_step(cache, meta) if self.backend == "cpu" and one_call else None
+        # Asked at every layer, answered once a step: whether the Triton kernels split, rotate and write a
+        # fused projection in one launch (K and V whole entries, unquantised or INT8: FP8 pages open with
+        # scales); whether the one-call CPU kernel stores new K/V of any dtype (quantising them).
+        self._rotates_in_write = (
+            self.backend == "triton" and cache.spec.tensors == 2 and not cache.page_scaled and not cache.tail
+        )
+        self._quantized = cache.quantized
         # The step's cos tensor and its rotary tables as arrays: every layer gets the same ones.
         self._rotary: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
 
@@ -83,7 +90,7 @@ class PagedAttention:
         k rotated together, then written and attended."""
         tokens, dim = qkv.shape[0], cos.shape[1]
         if qkv.dtype == cos.dtype and qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * dim:
-            if self._rotates_in_write():
+            if self._rotates_in_write:
                 k_slots, v_slots = self.cache.layer(layer)
                 q = rotate_write_kv(
                     qkv,
@@ -108,18 +115,10 @@ class PagedAttention:
         v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
         return self._write_and_attend(layer, q, k, v, scale, sliding_window)
 
-    def _rotates_in_write(self) -> bool:
-        """Whether the Triton kernels split, rotate and write q/k/v in one launch (``kernels.kv_write.
-        rotate_write_kv``): K and V of whole entries, unquantised or INT8 (FP8 pages open with scales)."""
-        cache = self.cache
-        return (
-            self.backend == "triton" and cache.spec.tensors == 2 and not cache.page_scaled and not cache.tail
-        )
-
     def _one_call(self, dtype: torch.dtype) -> bool:
         """Whether this layer's write and attention run as one CPU kernel call: a decode-only step the
         kernel serves, with new K/V it can store (quantised, or already in the cache's dtype)."""
-        return self._decode_step is not None and (self.cache.quantized or dtype == self.cache.dtype)
+        return self._decode_step is not None and (self._quantized or dtype == self.cache.dtype)
 
     def _rotate_write_and_decode(
         self,
@@ -132,14 +131,12 @@ class PagedAttention:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        from gpu_workers.kernels import decode_step_cpu
-
         if self._rotary is None or self._rotary[0] is not cos:
             from gpu_workers.kernels.paged_attention_cpu import host_array
 
             self._rotary = (cos, host_array(cos.contiguous()), host_array(sin.contiguous()))
         _, cos_array, sin_array = self._rotary
-        return decode_step_cpu.rotate_write_and_decode_cpu(
+        return (_decode_step_cpu or _import_decode_step_cpu()).rotate_write_and_decode_cpu(
             qkv,
             cos_array,
             sin_array,
@@ -161,15 +158,25 @@ class PagedAttention:
         sliding_window: int | None,
     ) -> torch.Tensor:
         if self._one_call(k.dtype):
-            from gpu_workers.kernels.decode_step_cpu import write_and_decode_cpu
-
-            layer_arrays = self.cache.host_layer(layer)
-            return write_and_decode_cpu(q, k, v, layer_arrays, self._decode_step, scale, sliding_window)
+            return (_decode_step_cpu or _import_decode_step_cpu()).write_and_decode_cpu(
+                q, k, v, self.cache.host_layer(layer), self._decode_step, scale, sliding_window
+            )
         self.cache.write(layer, k, v, self.meta.slot_mapping, self.meta.spans)
         q, scale = self.cache.queries(q, scale)
         k_slots, v_slots = self.cache.layer(layer)
         k_scale, v_scale = self.cache.layer_scales(layer)
         return paged_attention(q, k_slots, v_slots, self.meta, scale, sliding_window, k_scale, v_scale)
+
+
+_decode_step_cpu = None  # kernels.decode_step_cpu once imported: numba is imported where it runs only
+
+
+def _import_decode_step_cpu():
+    global _decode_step_cpu
+    from gpu_workers.kernels import decode_step_cpu
+
+    _decode_step_cpu = decode_step_cpu
+    return decode_step_cpu
 
 
 def fused_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_workers.kernels.rms_norm import add_rms_norm, rms_norm_reference
+from gpu_workers.kernels.silu_mul import silu_mul
 from gpu_workers.quant.linear import Fp8Linear, Int4Linear
 
 
@@ -22,10 +23,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(x, self.weight, self.eps)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, kernels: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a residual stream's add and the next norm in one kernel where
-        Triton runs (``kernels.rms_norm``); without a residual, (norm(x), x)."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        one runs (``kernels.rms_norm``; ``kernels``: the step's backend, where the caller has it); without a
+        residual, (norm(x), x)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, kernels)
 
 
 def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
@@ -70,8 +74,6 @@ class MLP(nn.Module):
             self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        if self.gate_up_proj is not None:  # split, SiLU and multiply in one kernel where one runs
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -102,9 +102,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The sublayers' forward, not their module call: nothing hooks them, and at decode the call's
         # hook checks are a few microseconds each, every layer of every step.
-        x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.input_layernorm.add_norm(x, residual, attn.backend)
         x, residual = self.post_attention_layernorm.add_norm(
-            self.self_attn.forward(x, cos, sin, attn), residual
+            self.self_attn.forward(x, cos, sin, attn), residual, attn.backend
         )
         return self._modules[self.ffn_name].forward(x), residual
 
@@ -124,8 +124,8 @@ class DecoderStack(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
-        return self.norm.add_norm(x, residual)[0]
+            x, residual = layer.forward(x, residual, cos, sin, attn)  # no module call: nothing hooks layers
+        return self.norm.add_norm(x, residual, attn.backend)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -39,6 +39,9 @@ CHAT_TEMPLATE = (
 class CausalAttention:
     """The engine's attention interface over a [batch, seq_len] block of fresh tokens (no KV cache)."""
 
+    # The layers' norms run the torch references: autograd records them (the kernels record nothing).
+    backend = "reference"
+
     def __init__(self, batch: int, seq_len: int):
         self.batch = batch
         self.seq_len = seq_len
