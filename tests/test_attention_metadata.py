@@ -52,6 +52,26 @@ def test_slots_and_spans_are_those_of_every_new_token():
     assert meta.decode.rows.tolist() == [0, 9] and meta.decode.seq_lens.tolist() == [9, 1]
 
 
+def test_a_decode_only_step_has_the_slots_spans_and_rows_of_every_new_token():
+    """A step of one new token per sequence takes a shorter road (``_decode_only``): the same metadata."""
+    context = [9, 1, 16, 17, 4, 33]
+    tables, _ = scattered_tables(context, seed=3)
+    meta = AttentionMetadata.build(tables, context, [1] * len(context), PAGE)
+    assert meta.slot_mapping.tolist() == [
+        t[(c - 1) // PAGE] * PAGE + (c - 1) % PAGE for t, c in zip(tables, context, strict=True)
+    ]
+    assert meta.spans.token_seq.tolist() == list(range(len(context)))
+    assert meta.spans.prev_page.tolist() == [
+        t[(c - 2) // PAGE] if c > 1 else -1 for t, c in zip(tables, context, strict=True)
+    ]
+    assert meta.prefill == [] and meta.prefill_pages is None
+    width = -(-max(context) // PAGE)
+    assert meta.decode.rows.tolist() == list(range(len(context)))
+    assert meta.decode.seq_lens.tolist() == context
+    assert meta.decode.block_tables.tolist() == [t + [t[-1]] * (width - len(t)) for t in tables]
+    assert meta.query_lens == [1] * len(context) and meta.context_lens == context
+
+
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("kv", ["fp32", "fp8"])
 def test_many_decode_rows_grouped_by_length_attend_as_the_decode_reference(window, kv):

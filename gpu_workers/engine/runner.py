@@ -76,7 +76,9 @@ class ModelRunner:
         hidden = self.model(ids, pos, PagedAttention(self.cache, meta, one_call=not self.batch_invariant))
         if not last_rows:
             return [], hidden.new_empty((0, 0), dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_tokens, device=self.device)])
+        if len(last_tokens) < len(input_ids):  # else every token is its row's last: hidden as it is
+            hidden = hidden[torch.tensor(last_tokens, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         return last_rows, logits.float()
 
 

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): a residual stream's add and the next norm in one kernel where
         one runs (``kernels.rms_norm``; ``kernels``: the step's backend, where the caller has it); without a
         residual, (norm(x), x)."""
-        return add_rms_norm(x, residual, self.weight, self.eps, kernels)
+        return add_rms_norm(x, residual, self._parameters["weight"], self.eps, kernels)
 
 
 def concat_linears(linears: list[nn.Module]) -> nn.Module | None:
@@ -74,6 +74,8 @@ class MLP(nn.Module):
             self.gate_up_proj, self.gate_proj, self.up_proj = fused, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:  # split, SiLU and multiply in one kernel where one runs
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        modules = self._modules  # not nn.Module's attribute fallback (~1 us a read), at every layer
+        gate_up = modules.get("gate_up_proj")
+        if gate_up is not None:  # split, SiLU and multiply in one kernel where one runs
+            return modules["down_proj"](silu_mul(gate_up(x)))
+        return modules["down_proj"](F.silu(modules["gate_proj"](x)) * modules["up_proj"](x))
