@@ -304,3 +304,107 @@ def test_each_committed_change_is_announced_with_its_audit_count_and_a_no_op_upd
             assert not watch.current()
     finally:
         client.delete(config_key(name))
+
+
+@pytest.mark.slow
+def test_a_change_reverted_before_the_successor_is_live_leaves_one_worker_on_the_latest_version(
+    tmp_path, demo_model_dir
+):
+    """Under `tessera up`'s launcher (successor first): a change makes the worker stale and the launcher starts
+    its successor; the change is reverted before that successor is live, so the old worker's config is the
+    announced one again. Once things settle the pool holds exactly one live worker, on the latest version,
+    and the launcher supervises that one alone: the old worker still leaves for the successor started for
+    it, instead of both serving the same version."""
+    import io
+
+    from tessera import db, deployments
+    from tessera.launcher import Launcher
+    from tessera.settings import Settings
+
+    from gpu_workers.protocol import SUCCESSOR_FIRST_ENV, config_key, connect_redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    database_url = f"sqlite:///{tmp_path / 'tessera.db'}"
+    db.upgrade(database_url)
+    sessions = db.session_factory(db.make_engine(database_url))
+    name = f"@test/revert-{os.getpid()}-{int(time.time() * 1000) % 10**6}"
+    config = {"name": name, "checkpoint": str(demo_model_dir), "mode": "colocated", "max_model_len": 128}
+    with sessions() as session:
+        deployments.create_deployment(session, {**config, "max_tokens_limit": 32}, actor="test", redis=client)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    env |= {
+        "TESSERA_DATA_DIR": str(tmp_path),
+        "TESSERA_DATABASE_URL": database_url,
+        "TESSERA_REDIS_URL": REDIS_URL,
+        "TESSERA_SECRET_KEY": "revert-test-secret-" * 3,
+        "OMP_NUM_THREADS": "1",
+        SUCCESSOR_FIRST_ENV: "1",
+    }
+    out = io.StringIO()
+    launcher = Launcher(Settings(data_dir=tmp_path, redis_url=REDIS_URL, database_url=database_url), out)
+    launcher.redis = connect_redis(REDIS_URL)
+    launcher.database = db.make_engine(database_url)
+    (tmp_path / "logs").mkdir()
+    slot = "serve worker"
+    launcher.worker_pools[slot] = (name, "serve")
+    command = [sys.executable, "-m", "tessera.cli", "worker", "--deployment", name, "--pool", "serve"]
+    launcher.spawn(slot, [*command, "--threads", "4"], env)
+
+    def workers() -> list[WorkerInfo]:
+        return [WorkerInfo.from_json(raw) for raw in client.hvals(workers_key(name, "serve"))]
+
+    def children() -> list[int]:
+        return [c.process.pid for c in launcher.supervisor.children if c.name == slot]
+
+    def tend_until(done, what: str):
+        deadline = time.monotonic() + RELOAD_TIMEOUT_S
+        while not (found := done()):
+            logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
+            assert time.monotonic() < deadline, (
+                f"{what}: workers {workers()}, children {children()}\n{out.getvalue()}\n{logs}"
+            )
+            launcher.tend()
+            time.sleep(0.1)
+        return found
+
+    def settled() -> WorkerInfo | None:
+        """The one worker of the pool, when it is the one child the launcher supervises and serves the
+        latest version, none stale or draining."""
+        found = workers()
+        if len(found) != 1 or children() != [found[0].pid]:
+            return None
+        only = found[0]
+        return None if only.config_stale or only.draining or only.config_version != 3 else only
+
+    try:
+        old = tend_until(lambda: next((w for w in workers() if w.config_version == 1), None), "no worker")
+        with sessions() as session:
+            deployments.update_deployment(
+                session, name, {"integrity_check": False}, actor="test", redis=client
+            )
+        tend_until(lambda: len(children()) == 2, "no successor started for the stale worker")
+        # The successor is starting (importing torch, loading its engine): not in the pool yet.
+        assert [w.pid for w in workers()] == [old.pid]
+        with sessions() as session:  # reverted: version 3 is version 1's config again
+            deployments.update_deployment(
+                session, name, {"integrity_check": True}, actor="test", redis=client
+            )
+        survivor = tend_until(settled, "the pool did not settle on one worker serving version 3")
+        assert survivor.pid != old.pid and survivor.integrity_check is True
+        assert "it replaced exited with code 75" in out.getvalue()
+        # And it stays settled: two more heartbeats of the survivor (each at least an interval after the
+        # one before), and it is still alone.
+        tend_until(
+            lambda: any(
+                w.worker_id == survivor.worker_id and w.last_seen > survivor.last_seen + HEARTBEAT_INTERVAL_S
+                for w in workers()
+            ),
+            "the survivor stopped heartbeating",
+        )
+        again = settled()
+        assert again is not None and again.worker_id == survivor.worker_id, (workers(), children())
+    finally:
+        launcher.supervisor.stop()
+        launcher.redis.close()
+        launcher.database.dispose()
+        client.delete(workers_key(name, "serve"), config_key(name))

@@ -136,23 +136,33 @@ class ConfigWatch:
         self.announced: int | None = None
 
     def current(self) -> bool:
-        version, raw = self.client.hmget(config_key(self.spec.name), "version", "spec")
-        if raw is None:
+        announced = self._read()
+        if announced is None:
             return True  # nothing announced (say, a Redis that restarted empty): the database's config stands
-        try:
-            announced = DeploymentSpec.from_json(raw)
-        except MessageError:
-            log.exception("ignoring an unreadable config announcement for %s", self.spec.name)
-            return True
-        self.announced = int(version)
         if announced != self.spec:
             return False
         self.version = self.announced
         return True
 
     def successor(self, peers: list[WorkerInfo]) -> WorkerInfo | None:
-        """A peer serving the latest announced config, ready to take this worker's place."""
+        """A peer serving the latest announced config, ready to take this worker's place. Reads the
+        announcement again (``announced``) but leaves ``version`` as it is: a stale worker whose config is
+        announced again still waits for its successor, reporting the version it served."""
+        self._read()
         for peer in peers:
             if peer.config_version == self.announced and not (peer.config_stale or peer.draining):
                 return peer
         return None
+
+    def _read(self) -> DeploymentSpec | None:
+        """The announced spec (``announced`` set to its version); None if none, or none readable."""
+        version, raw = self.client.hmget(config_key(self.spec.name), "version", "spec")
+        if raw is None:
+            return None
+        try:
+            announced = DeploymentSpec.from_json(raw)
+        except MessageError:
+            log.exception("ignoring an unreadable config announcement for %s", self.spec.name)
+            return None
+        self.announced = int(version)
+        return announced

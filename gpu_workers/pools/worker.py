@@ -13,8 +13,11 @@ config is no longer the one it serves, it reports ``config_stale`` and drains: i
 the requests it is serving on the engine it has, and exits with ``EXIT_RELOAD``, which its supervisor answers
 by starting it at once on the config re-read from the database. When to drain:
 - under a supervisor that starts a successor for a stale worker (``tessera up`` sets ``SUCCESSOR_FIRST_ENV``),
-  it keeps serving until a peer on the new config is live, then leaves the pool and drains: the pool never
-  goes without a live worker;
+  it keeps serving until a peer on the latest announced config is live, then leaves the pool and drains: the
+  pool never goes without a live worker. Once it has reported ``config_stale`` it stays stale, still
+  reporting the version it served, even if the config is changed back to its own before it leaves: a
+  successor may be starting for it already (or be live, or be restarting to read a newer config), and only
+  the worker leaving keeps one worker per slot whatever the order; the change back costs one reload;
 - otherwise at once. Its heartbeat entry stays (marked ``draining``) until it goes stale, so the router keeps
   queueing requests for it while it restarts; its successor hands that queue over to the pool each tick.
 Either way queued requests wait and none fails, unless a restart outlasts the heartbeat TTL in the second case.
@@ -185,10 +188,11 @@ def run_worker(
             if heartbeat.left and client.llen(worker_queue(worker_id)):
                 runner.requeue_worker_queue(worker_id)  # out of the pool: what a router queued as it left
             return
-        if watch.current():
-            stale.clear()  # changed back before it drained
-            return
         if not stale.is_set():
+            if watch.current():
+                return
+            # Stale for good, even if the config is changed back before it drains: its supervisor may have
+            # started a successor for it already, and both would then serve the one slot (see the docstring).
             stale.set()
             then = "serving until a successor is live" if successor_first else "draining, then reloading"
             log.info(
