@@ -13,6 +13,7 @@ from gpu_workers.engine.graphs import DecodeGraphs
 from gpu_workers.engine.invariance import PaddedLinears
 from gpu_workers.engine.params import EngineConfig
 from gpu_workers.engine.scheduler import ScheduledBatch
+from gpu_workers.kernels import one_mode
 from gpu_workers.kernels.packed_linear import pack_linears
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec
 from gpu_workers.model.attention import PagedAttention
@@ -72,13 +73,14 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # A batch-invariant step attends by one path whatever else shares it (model/attention.py).
-        hidden = self.model(ids, pos, PagedAttention(self.cache, meta, one_call=not self.batch_invariant))
-        if not last_rows:
-            return [], hidden.new_empty((0, 0), dtype=torch.float32)
-        if len(last_tokens) < len(input_ids):  # else every token is its row's last: hidden as it is
-            hidden = hidden[torch.tensor(last_tokens, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+        with one_mode():  # TESSERA_KERNELS read once for the step's every kernel choice
+            # A batch-invariant step attends by one path whatever else shares it (model/attention.py).
+            hidden = self.model(ids, pos, PagedAttention(self.cache, meta, one_call=not self.batch_invariant))
+            if not last_rows:
+                return [], hidden.new_empty((0, 0), dtype=torch.float32)
+            if len(last_tokens) < len(input_ids):  # else every token is its row's last: hidden as it is
+                hidden = hidden[torch.tensor(last_tokens, device=self.device)]
+            logits = self.model.compute_logits(hidden)
         return last_rows, logits.float()
 
 

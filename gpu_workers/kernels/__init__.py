@@ -10,8 +10,11 @@ Triton kernels (on CPU that needs ``TRITON_INTERPRET=1``: how the tests run them
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from importlib.util import find_spec as _find_spec
 
 import torch
@@ -27,8 +30,24 @@ def find_spec(name: str):
     return _find_spec(name)
 
 
+# The mode as a step read it once (``one_mode``): the step's every linear, norm and activation asks.
+_step_mode: ContextVar[str | None] = ContextVar("kernel_mode", default=None)
+
+
 def kernel_mode() -> str:
-    return _checked(os.environ.get(KERNELS_ENV, "auto"))
+    mode = _step_mode.get()
+    return mode if mode is not None else _checked(os.environ.get(KERNELS_ENV, "auto"))
+
+
+@contextlib.contextmanager
+def one_mode() -> Iterator[None]:
+    """Inside: ``kernel_mode`` as read on entry, not read from the environment again (a decode step asks it
+    at every linear: ~1 us a read, ~2% of a small model's CPU step)."""
+    token = _step_mode.set(kernel_mode())
+    try:
+        yield
+    finally:
+        _step_mode.reset(token)
 
 
 def _checked(mode: str) -> str:
@@ -61,7 +80,8 @@ def use_cpu_kernels(device: torch.device) -> bool:
 def backend(device: torch.device) -> str:
     """The kernels work on ``device`` runs: "triton", "cpu" (numba) or "reference" (torch). Asked by every
     norm and activation of a step: the answer is kept per device type and mode, only the mode read again."""
-    return _backend(device.type, os.environ.get(KERNELS_ENV, "auto"))
+    mode = _step_mode.get()
+    return _backend(device.type, mode if mode is not None else os.environ.get(KERNELS_ENV, "auto"))
 
 
 @functools.cache

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -130,6 +131,11 @@ class Int4CpuPack:
     group_size: int
     in_features: int  # padded_in - in_features zero columns are appended to x
 
+    @functools.cached_property
+    def padding(self) -> int:
+        """Zero columns appended to x: a ragged last group's."""
+        return self.scales_and_offsets.shape[0] * self.group_size - self.in_features
+
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scales_and_offsets.nbytes
@@ -184,9 +190,8 @@ def int4_linear_cpu(x: torch.Tensor, pack: Int4CpuPack, bias: torch.Tensor | Non
     activations = pack.scales_and_offsets.dtype
     if rows.dtype != activations:
         rows = rows.to(activations)
-    padding = pack.scales_and_offsets.shape[0] * pack.group_size - pack.in_features
-    if padding:
-        rows = F.pad(rows, (0, padding))
+    if pack.padding:
+        rows = F.pad(rows, (0, pack.padding))
     out = _INT4_CPU_MM(rows.contiguous(), pack.weight, pack.group_size, pack.scales_and_offsets)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], out.shape[-1])
