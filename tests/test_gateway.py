@@ -291,6 +291,67 @@ def test_importing_the_app_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+# -- startup --------------------------------------------------------------------------------------------------
+
+
+def test_the_api_loads_enabled_models_when_it_starts_not_on_their_first_request(
+    tmp_path, demo_model_dir, redis_url, monkeypatch, caplog
+):
+    from tessera.api import catalog
+
+    loads = []
+
+    def counted(path):  # the real load, counted
+        loads.append(Path(path))
+        return load_tokenizer(path)
+
+    monkeypatch.setattr(catalog, "load_tokenizer", counted)
+    records_stream = f"tessera:test:records:{uuid.uuid4().hex}"
+    settings = Settings(
+        data_dir=tmp_path,
+        redis_url=redis_url,
+        secret_key="gateway-test-secret-" * 3,
+        records_stream=records_stream,
+        admission_wait_s=300.0,
+    )
+    db.upgrade(settings.database_url)
+    sessions = db.session_factory(db.make_engine(settings.database_url))
+    suffix = uuid.uuid4().hex[:8]
+    ready, missing, off = (f"@test/{name}-{suffix}" for name in ("ready", "missing", "off"))
+    with sessions() as session:
+        deployments.create_deployment(session, {"name": ready, "checkpoint": str(demo_model_dir)}, actor="t")
+        deployments.create_deployment(
+            session,
+            {"name": missing, "checkpoint": str(tmp_path / "not-there")},
+            actor="t",
+            check_checkpoint_files=False,
+        )
+        deployments.create_deployment(
+            session, {"name": off, "checkpoint": str(demo_model_dir), "enabled": False}, actor="t"
+        )
+        tenancy.create_tenant(session, "acme")
+        _, key = tenancy.create_key(session, "acme")
+    app = create_app(settings)
+    with caplog.at_level("WARNING", logger="tessera.api.catalog"), TestClient(app) as client:
+        app.state.preload.join()  # before any request
+        assert loads == [demo_model_dir]  # the enabled model that can be read; not the disabled one
+        assert f"model {missing} not preloaded" in caplog.text and "not-there" in caplog.text
+        headers = {"Authorization": f"Bearer {key}"}
+        first = client.post(
+            "/v1/chat/completions", headers=headers, json={"model": ready, "messages": _msgs()}
+        )
+        # Tokenised and admitted, up to the routing (no worker runs here), with the tokenizer loaded at start.
+        assert_openai_error(first, 503, "no_live_worker")
+        assert loads == [demo_model_dir]
+        # The checkpoint that could not be read answers on the lazy path, with its error.
+        unreadable = client.post(
+            "/v1/chat/completions", headers=headers, json={"model": missing, "messages": _msgs()}
+        )
+        error = assert_openai_error(unreadable, 503, "model_unavailable")
+        assert "can't be read on the gateway" in error["message"] and "not-there" in error["message"]
+    sync_redis(redis_url).delete(records_stream, records.dead_letters(records_stream))
+
+
 # -- auth -----------------------------------------------------------------------------------------------------
 
 

