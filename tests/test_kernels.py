@@ -44,6 +44,8 @@ from gpu_workers.kernels.paged_attention_triton import paged_decode_attention_tr
 from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference  # noqa: E402
 from gpu_workers.kernels.rms_norm import add_rms_norm_reference  # noqa: E402
 from gpu_workers.kernels.rms_norm_triton import add_rms_norm_triton  # noqa: E402
+from gpu_workers.kernels.silu_mul import silu_mul_reference  # noqa: E402
+from gpu_workers.kernels.silu_mul_triton import silu_mul_triton  # noqa: E402
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
 from gpu_workers.tools.quantize import quantize_checkpoint  # noqa: E402
 
@@ -477,6 +479,20 @@ def test_add_rms_norm_kernel_matches_reference(dtype, with_residual):
     else:
         assert_matches(summed, ref_summed, 2**-7)
         assert_matches(out, ref_out, 2**-6)  # a step off in the sum moves the row's scale too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel_matches_reference(dtype):
+    """Rows wider than one block with a ragged last block, gates from deep negative (SiLU ~ 0) to large; a
+    strided input (a view) read as it is. fp32 to its rounding; bf16 within one bf16 step of each of the two
+    roundings (the interpreter truncates its casts)."""
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(3, 2 * 1100, generator=gen) * 8).to(dtype)
+    assert_matches(
+        silu_mul_triton(gate_up), silu_mul_reference(gate_up), 1e-6 if dtype == torch.float32 else 2**-6
+    )
+    wide = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * 1100]
+    assert torch.equal(silu_mul_triton(wide), silu_mul_triton(gate_up))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

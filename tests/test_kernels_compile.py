@@ -29,6 +29,7 @@ from gpu_workers.kernels import (  # noqa: E402
     kv_write_triton,
     paged_attention_triton,  # noqa: E402
     rms_norm_triton,
+    silu_mul_triton,
 )
 from gpu_workers.kv import AttentionMetadata, KVCache, KVSpec  # noqa: E402
 from gpu_workers.model.attention import PagedAttention  # noqa: E402
@@ -46,6 +47,7 @@ TRITON_TYPES = {
 MODULES = {
     kv_write_triton: ["_write_kv_kernel", "_write_int8_kernel", "_rotate_write_kernel"],
     rms_norm_triton: ["_add_rms_norm_kernel"],
+    silu_mul_triton: ["_silu_mul_kernel"],
     paged_attention_triton: ["_decode_split_kernel", "_merge_splits_kernel"],
     fp8_linear_triton: ["_fp8_gemm_kernel"],
     int4_linear_triton: ["_int4_gemm_kernel", "_int4_fast_gemm_kernel"],
@@ -184,7 +186,7 @@ def test_decode_attention_compiles_for_every_tile_shape(launches):
 
 
 def test_fused_decode_layer_kernels_compile_for_hopper(launches):
-    # add + RMSNorm with and without a residual; q/k/v rotated and written for BF16 and INT8 (Hadamard)
+    # add + RMSNorm with and without a residual; SiLU x up; q/k/v rotated and written for BF16 and INT8 (Hadamard)
     # caches, from bf16 (what a GPU engine computes in) and fp32, a head size that is not a power of two.
     for dtype, kv_dtype, head_dim in [
         (torch.bfloat16, torch.bfloat16, 64),
@@ -195,6 +197,7 @@ def test_fused_decode_layer_kernels_compile_for_hopper(launches):
         weight = torch.ones(320, dtype=dtype)
         rms_norm_triton.add_rms_norm_triton(x, None, weight, 1e-6)
         rms_norm_triton.add_rms_norm_triton(x, x, weight, 1e-6)
+        silu_mul_triton.silu_mul_triton(torch.randn(3, 2 * 200, dtype=dtype))
         spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=head_dim)
         cache = KVCache(spec, num_pages=8, page_size=16, dtype=kv_dtype, device="cpu")
         meta = AttentionMetadata.build([[0, 1], [2]], [20, 5], [1, 1], 16)
@@ -203,6 +206,7 @@ def test_fused_decode_layer_kernels_compile_for_hopper(launches):
         PagedAttention(cache, meta).rotate_and_attend(0, qkv, cos, sin, 8, 2, 0.125)
     assert compile_all(launches) == {
         "_add_rms_norm_kernel",
+        "_silu_mul_kernel",
         "_rotate_write_kernel",
         "_decode_split_kernel",
         "_merge_splits_kernel",

@@ -116,6 +116,24 @@ def test_cpu_packed_int4_in_bf16_matches_the_bf16_reference():
     assert (out.float() - reference).abs().max() < 2**-6 * reference.abs().max()
 
 
+@pytest.mark.parametrize("change", ["scales in place", "codes replaced"])
+def test_an_int4_layer_serves_its_new_weights_after_they_change(change):
+    """The pack a layer's calls reuse is made again when its stored buffers change in place or are replaced:
+    never the old weights."""
+    layer = int4_layer(64, 256, 128, False, False)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    before = layer(x)
+    if change == "scales in place":
+        layer.weight_scale.mul_(2)
+    else:
+        layer.weight_packed = torch.flip(layer.weight_packed, dims=[0]).contiguous()
+    args = (layer.weight_packed, layer.weight_scale, layer.weight_zero, 128)
+    reference = int4_linear_reference(x.float(), *args)
+    after = layer(x)
+    assert not torch.equal(after, before)
+    assert (after.float() - reference).abs().max() < 2**-6 * reference.abs().max()
+
+
 def test_fp32_compute_runs_large_int4_layers_on_the_kernel_and_small_ones_dequantised_once():
     large, small = int4_layer(1024, 1024, 128, False, True), int4_layer(64, 256, 128, False, True)
     for layer in (large, small):

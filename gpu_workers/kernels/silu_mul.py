@@ -1,9 +1,9 @@
 """The gated MLP's activation: ``silu_mul(gate_up)`` -> SiLU(gate) * up, from a fused gate/up projection's output
 [..., 2 * inter] (gate the first half, up the second) to [..., inter].
 
-Done as torch ops it is a split, SiLU and a multiply: three dispatches and two allocations per layer, for
-rows of a few thousand values at decode. On the CPU kernels it is one numba call (``silu_mul_cpu``) giving
-this reference's bits.
+Done as torch ops it is a split, SiLU and a multiply: three dispatches, two launches on a GPU and two
+allocations per layer, for rows of a few thousand values at decode. With Triton it is one launch
+(``silu_mul_triton``); on the CPU kernels one numba call (``silu_mul_cpu``) giving this reference's bits.
 """
 
 from __future__ import annotations
@@ -27,13 +27,20 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of a fused gate/up output [..., 2 * inter]: one numba call on the CPU kernels where it
-    reads the rows (``silu_mul_cpu.cpu_silu_mul_supported``) and gives this torch's bits (``cpu_matches``),
-    else (and where autograd records: training) the reference."""
-    if backend(gate_up.device) == "cpu" and not records_grad(gate_up):
+    """SiLU(gate) * up of a fused gate/up output [..., 2 * inter]: one Triton launch, or one numba call on the
+    CPU kernels where it reads the rows (``silu_mul_cpu.cpu_silu_mul_supported``) and gives this torch's bits
+    (``cpu_matches``), else (and where autograd records: training) the reference."""
+    kernels = backend(gate_up.device)
+    if kernels == "reference" or records_grad(gate_up):
+        return silu_mul_reference(gate_up)
+    if kernels == "cpu":
         cpu = _cpu or _import_cpu()
         if cpu.cpu_silu_mul_supported(gate_up) and cpu_matches(gate_up.dtype):
             return cpu.silu_mul_cpu(gate_up)
+    elif gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0:
+        from gpu_workers.kernels.silu_mul_triton import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)
 
 

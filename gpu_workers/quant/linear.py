@@ -119,7 +119,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight_min", offsets if minimums else None)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype)) if bias else None
         self._cpu_pack = _Prepared()
-        self._cpu_memo: dict[torch.dtype, tuple] = {}  # compute dtype -> (buffers' identity, pack or None)
+        # compute dtype -> (the buffers, their versions, the pack or None), see _cpu_pack_for
+        self._cpu_memo: dict[torch.dtype, tuple] = {}
         self._gpu_pack = _Prepared()
         self._dense = _Prepared()
         # The size that routes fp32 compute to the int4 kernel: this layer's, or a fused layer's parts'.
@@ -210,13 +211,24 @@ class Int4Linear(nn.Module):
         or None where that kernel does not serve it. Asked by every call of every decode step: answered from
         a memo per dtype while the stored buffers stay the same (a cold step spent ~12 us of Python a call
         on the question, 1.5 ms of SmolLM2's 15 ms step at one request)."""
-        identity = _identity(*self._stored())
+        buffers = self._buffers
+        packed, scale = buffers["weight_packed"], buffers["weight_scale"]
+        offsets = buffers["weight_zero"]
+        offsets = buffers["weight_min"] if offsets is None else offsets
         memo = self._cpu_memo.get(dtype)
-        if memo is not None and memo[0] == identity:
-            return memo[1]
+        # The same buffer objects (the memo holds them: none is freed and its id reused) at the same versions
+        if (
+            memo is not None
+            and memo[0] is packed
+            and memo[1] is scale
+            and memo[2] is offsets
+            and memo[3] == (packed._version, scale._version, None if offsets is None else offsets._version)
+        ):
+            return memo[4]
         activations = self._cpu_activations(dtype)
         pack = None if activations is None else self.cpu_pack(activations)
-        self._cpu_memo[dtype] = (identity, pack)
+        versions = (packed._version, scale._version, None if offsets is None else offsets._version)
+        self._cpu_memo[dtype] = (packed, scale, offsets, versions, pack)
         return pack
 
     def _cpu_activations(self, dtype: torch.dtype) -> torch.dtype | None:
