@@ -29,6 +29,8 @@ class CacheLayer(NamedTuple):
     dynamic: bool  # FP8 pages take their scale when opened (no static scales)
     int8: bool  # INT8 entries, each with its own scale
     key_block: int  # INT8 keys are stored Hadamard-rotated in blocks of this size (1: not rotated)
+    kind: int  # which kernel of a (FP8, INT8, plain) triple reads it
+    args: tuple  # that kernel's arguments of this layer (after its own leading ones, before the step's)
 
 
 class DecodeStep(NamedTuple):
@@ -40,7 +42,7 @@ class DecodeStep(NamedTuple):
     tables: np.ndarray  # [B, P] int32
     lens: np.ndarray  # [B] int32
     page_size: int
-    calls: dict  # (layer, kernels, scale, window) -> (kernel, arguments): filled by the step's first calls
+    calls: dict  # (kind, key block, scale, window) -> the kernels' arguments of the step: made once a step
 
 
 def cache_layer(
@@ -58,7 +60,17 @@ def cache_layer(
     fp8 = k_slots.dtype == torch.uint8
     scales = (host_array(k_scale), host_array(v_scale)) if fp8 else (_unit_scales(num_pages),) * 2
     int8 = k_slots.dtype == torch.int8
-    return CacheLayer(host_array(k_slots), host_array(v_slots), *scales, fp8, dynamic, int8, key_block)
+    k, v = host_array(k_slots), host_array(v_slots)
+    if fp8:
+        kind, args = _FP8, (k, v, *scales, dynamic)
+    elif int8:
+        kind, args = _INT8, (k, v, scales[0], key_block)
+    else:
+        kind, args = _PLAIN, (k, v, scales[0])
+    return CacheLayer(k, v, *scales, fp8, dynamic, int8, key_block, kind, args)
+
+
+_FP8, _INT8, _PLAIN = range(3)  # a kernel triple's order
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -71,11 +83,11 @@ def _fp8_step(
     layer_v,
     k_scale,
     v_scale,
+    dynamic,
     step_slots,
     page_size,
     token_seq,
     prev_page,
-    dynamic,
     tables,
     lens,
     scale,
@@ -154,29 +166,31 @@ def _plain_step(out, q, k, v, layer_k, layer_v, ones, step_slots, page_size, tab
 
 
 def _run(kernels, lead: tuple, layer: CacheLayer, step: DecodeStep, scale, sliding_window) -> None:
-    """Call the FP8, the INT8 or the plain kernel of ``kernels`` with its own leading arguments ``lead`` (the
-    output first), then the layer's cache and the step's rows. The kernel and the arguments after ``lead``
-    are chosen once per step and layer (the step's ``calls``): a step calls this once per layer."""
-    key = (id(layer), kernels, scale, sliding_window)
-    call = step.calls.get(key)
-    if call is None:
-        call = step.calls[key] = _middle(kernels, layer, step, scale, sliding_window)
-    kernel, middle = call
-    kernel(*lead, *middle)
+    """Call the FP8, the INT8 or the plain kernel of ``kernels`` (the layer's ``kind``) with its own leading
+    arguments ``lead`` (the output first), the layer's (``args``, made once with the cache), then the
+    step's rows (made once a step: every layer of a cache shares them)."""
+    key = (layer.kind, layer.key_block, scale, sliding_window)
+    rows = step.calls.get(key)
+    if rows is None:
+        rows = step.calls[key] = _step_args(layer, step, scale, sliding_window)
+    kernels[layer.kind](*lead, *layer.args, *rows)
 
 
-def _middle(kernels, layer: CacheLayer, step: DecodeStep, scale, sliding_window) -> tuple:
-    """(the kernel of ``kernels`` for this layer's format, its arguments after its leading ones)."""
-    fp8_kernel, int8_kernel, plain_kernel = kernels
-    rows = (step.tables, step.lens, np.float32(scale), sliding_window or 0)
-    if layer.fp8:
-        cache = (layer.k, layer.v, layer.k_scale, layer.v_scale, step.slot_mapping, step.page_size)
-        return fp8_kernel, (*cache, step.token_seq, step.prev_page, layer.dynamic, *rows)
-    if layer.int8:  # keys and queries rotated inside: the scale divided by the rotation's size
-        block = layer.key_block
-        cache = (layer.k, layer.v, layer.k_scale, block, step.slot_mapping, step.page_size)
-        return int8_kernel, (*cache, step.tables, step.lens, np.float32(scale / block), *rows[3:])
-    return plain_kernel, (layer.k, layer.v, layer.k_scale, step.slot_mapping, step.page_size, *rows)
+def _step_args(layer: CacheLayer, step: DecodeStep, scale, sliding_window) -> tuple:
+    """The kernel's arguments after the layer's: the step's slots and rows."""
+    window = sliding_window or 0
+    if layer.kind == _FP8:
+        written = (step.slot_mapping, step.page_size, step.token_seq, step.prev_page)
+        return (*written, step.tables, step.lens, np.float32(scale), window)
+    # INT8: keys and queries rotated inside, the scale divided by the rotation's size (1 for the others)
+    return (
+        step.slot_mapping,
+        step.page_size,
+        step.tables,
+        step.lens,
+        np.float32(scale / layer.key_block),
+        window,
+    )
 
 
 def write_and_decode_cpu(

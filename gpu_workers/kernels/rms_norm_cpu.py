@@ -151,13 +151,15 @@ def cpu_norm_supported(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     """Whether ``add_rms_norm_cpu`` serves these rows: x [T, H] bf16 or fp32 on the CPU, the residual (if
     any) of the same shape and dtype, the weight [H] alike. The kernel reads memory by address: anything
     else (a broadcast, another dtype) is the reference's."""
+    dtype, shape = x.dtype, x.shape  # asked at every norm of a step: each read once
     return (
-        x.dtype in _ELEMENTS
-        and x.dim() == 2
-        and x.shape[1] < 32768
-        and weight.dtype == x.dtype
-        and weight.shape == x.shape[1:]
-        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
+        dtype in _ELEMENTS
+        and len(shape) == 2
+        and shape[1] < 32768
+        and weight.dtype == dtype
+        and weight.dim() == 1
+        and weight.shape[0] == shape[1]
+        and (residual is None or (residual.dtype == dtype and residual.shape == shape))
     )
 
 
