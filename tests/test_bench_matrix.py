@@ -423,9 +423,9 @@ def test_matrix_mode_axis_compares_a_colocated_and_a_disaggregated_deployment(up
     assert report["mode_deployment"]["restored_config"] == report["mode_deployment"]["original_config"]
 
 
-# Last in the module: its change and the restore right after it can leave a pool with two workers (the worker
-# made stale by the change is current again once it is restored, while the successor started for it comes up
-# too), which the mode test above would count; the other tests begin from a finished reload.
+# Last in the module, so the tests above begin from a finished reload: this one stops the matrix while its
+# workers reload. (Its change and the restore right after it once left two workers in the pool; a worker made
+# stale now stays stale and leaves, pools/worker.py, held by test_config_reload.py.)
 @pytest.mark.slow
 def test_matrix_stopped_mid_run_restores_the_original_config(up):
     fields = ("kv_budget_bytes", "decode_kv", "integrity_check")

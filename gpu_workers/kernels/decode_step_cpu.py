@@ -19,18 +19,12 @@ from gpu_workers.kernels.paged_attention_cpu import _HALF_FP8_OFFSET, _decode, _
 
 
 class CacheLayer(NamedTuple):
-    """One layer of a CPU cache as the kernels read it: slots and per-page scales (ones but for FP8)."""
+    """One layer of a CPU cache as the kernels read it: which kernel of a (FP8, INT8, plain) triple, and that
+    kernel's arguments of this layer (slots, per-page scales: ones but for FP8, and the format's own)."""
 
-    k: np.ndarray
-    v: np.ndarray
-    k_scale: np.ndarray
-    v_scale: np.ndarray
-    fp8: bool
-    dynamic: bool  # FP8 pages take their scale when opened (no static scales)
-    int8: bool  # INT8 entries, each with its own scale
+    kind: int
+    args: tuple  # after the kernel's own leading arguments, before the step's
     key_block: int  # INT8 keys are stored Hadamard-rotated in blocks of this size (1: not rotated)
-    kind: int  # which kernel of a (FP8, INT8, plain) triple reads it
-    args: tuple  # that kernel's arguments of this layer (after its own leading ones, before the step's)
 
 
 class DecodeStep(NamedTuple):
@@ -59,15 +53,12 @@ def cache_layer(
     layer and kept."""
     fp8 = k_slots.dtype == torch.uint8
     scales = (host_array(k_scale), host_array(v_scale)) if fp8 else (_unit_scales(num_pages),) * 2
-    int8 = k_slots.dtype == torch.int8
     k, v = host_array(k_slots), host_array(v_slots)
-    if fp8:
-        kind, args = _FP8, (k, v, *scales, dynamic)
-    elif int8:
-        kind, args = _INT8, (k, v, scales[0], key_block)
-    else:
-        kind, args = _PLAIN, (k, v, scales[0])
-    return CacheLayer(k, v, *scales, fp8, dynamic, int8, key_block, kind, args)
+    if fp8:  # FP8 pages take their scale when opened where there are no static scales (``dynamic``)
+        return CacheLayer(_FP8, (k, v, *scales, dynamic), key_block)
+    if k_slots.dtype == torch.int8:  # INT8 entries, each with its own scale
+        return CacheLayer(_INT8, (k, v, scales[0], key_block), key_block)
+    return CacheLayer(_PLAIN, (k, v, scales[0]), key_block)
 
 
 _FP8, _INT8, _PLAIN = range(3)  # a kernel triple's order

@@ -39,9 +39,9 @@ def add_rms_norm(
     kernels: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``weight * norm(x + residual)``, ``x + residual``) for x, residual [T, hidden]: one Triton kernel, or
-        one numba call on the CPU (``rms_norm_cpu``: the reference's bits), else (and where autograd records:
-    training) the reference. ``kernels``:
-        ``kernels.backend(x.device)`` where the caller knows it (a step asks once, not at every norm)."""
+    one numba call on the CPU (``rms_norm_cpu``: the reference's bits), else (and where autograd records:
+    training) the reference. ``kernels``: ``kernels.backend(x.device)`` where the caller knows it (a step
+    asks once, not at every norm)."""
     kernels = kernels or backend(x.device)
     if records_grad(x, residual, weight):
         kernels = "reference"
