@@ -299,10 +299,11 @@ def test_the_api_loads_enabled_models_when_it_starts_not_on_their_first_request(
 ):
     from tessera.api import catalog
 
-    loads = []
+    loads, release = [], threading.Event()
 
-    def counted(path):  # the real load, counted
+    def counted(path):  # the real load, counted, once the test lets it go on
         loads.append(Path(path))
+        assert release.wait(60), "the test never released the preload"
         return load_tokenizer(path)
 
     monkeypatch.setattr(catalog, "load_tokenizer", counted)
@@ -333,7 +334,14 @@ def test_the_api_loads_enabled_models_when_it_starts_not_on_their_first_request(
         _, key = tenancy.create_key(session, "acme")
     app = create_app(settings)
     with caplog.at_level("WARNING", logger="tessera.api.catalog"), TestClient(app) as client:
+        # Not ready while the tokenizers load: a model's first request would wait for them.
+        loading = client.get("/readyz")
+        assert_openai_error(loading, 503, "not_ready")
+        assert loading.json()["checks"]["models_loaded"] is False
+        assert "tokenizers are still loading" in loading.json()["error"]["message"]
+        release.set()
         app.state.preload.join()  # before any request
+        assert client.get("/readyz").json()["checks"]["models_loaded"] is True
         assert loads == [demo_model_dir]  # the enabled model that can be read; not the disabled one
         assert f"model {missing} not preloaded" in caplog.text and "not-there" in caplog.text
         headers = {"Authorization": f"Bearer {key}"}
@@ -1236,6 +1244,7 @@ def test_readyz_waits_for_every_pool_a_model_needs(gw):
         "redis": "ok",
         "live_workers": 1,
         "servable_models": 0,
+        "models_loaded": True,
     }
     assert "a prefill and a decode worker" in not_ready.json()["error"]["message"]
     gw.pools.heartbeat(gw.model, "decode", gw.worker("decode"))

@@ -1,5 +1,6 @@
-"""Liveness (``/healthz``: the process answers) and readiness (``/readyz``: DB, Redis and a model whose workers
-are all live: its serve worker, or a prefill and a decode worker)."""
+"""Liveness (``/healthz``: the process answers) and readiness (``/readyz``: DB, Redis, the enabled models'
+tokenizers loaded, and a model whose workers are all live: its serve worker, or a prefill and a decode
+worker)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ async def readyz(request: Request) -> JSONResponse:
     except Exception as e:
         checks["redis"] = "error"
         problems.append(f"redis unreachable ({type(e).__name__})")
+    # The API loads the enabled models' tokenizers as it starts (app.py): until then a model's first request
+    # would wait for that load inside its admission bound.
+    preload = getattr(request.app.state, "preload", None)
+    checks["models_loaded"] = preload is None or not preload.is_alive()
+    if not checks["models_loaded"]:
+        problems.append("the enabled models' tokenizers are still loading")
     if problems:
         body = error_body(503, "not ready: " + "; ".join(problems), "not_ready")
         return JSONResponse({**body, "checks": checks}, status_code=503)
