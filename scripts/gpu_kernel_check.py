@@ -36,6 +36,8 @@ from gpu_workers.kernels.kv_write_triton import write_kv_triton  # noqa: E402
 from gpu_workers.kernels.paged_attention import paged_decode_attention_reference  # noqa: E402
 from gpu_workers.kernels.paged_attention_triton import paged_decode_attention_triton  # noqa: E402
 from gpu_workers.kernels.quant_linear import fp8_linear_reference, int4_linear_reference  # noqa: E402
+from gpu_workers.kernels.silu_mul import silu_mul_reference  # noqa: E402
+from gpu_workers.kernels.silu_mul_triton import silu_mul_triton  # noqa: E402
 from gpu_workers.tools.demo_checkpoint import write_demo_checkpoint  # noqa: E402
 from gpu_workers.tools.quantize import quantize_checkpoint  # noqa: E402
 
@@ -53,6 +55,9 @@ ATTENTION = [
     (4, 4, 16, 8, 7, [1, 13, 150]),
 ]
 SERVING_ATTENTION = [(32, 8, 128, 16, None, [1, 300, 4096, 16384])]
+# (rows, intermediate size) of SiLU x up: a ragged last block; then SmolLM2's, a 1B Llama's and an 8B's widths
+SILU = [(3, 1100)]
+SERVING_SILU = [(1, 1536), (32, 8192), (64, 14336)]
 
 
 def main() -> int:
@@ -91,6 +96,9 @@ def main() -> int:
             for dtype in dtypes:
                 name = f"paged decode {case[:5]} lens {case[5]} {kv} KV, {dtype} q"
                 record(name, _decode, *case, kv, dtype, device)
+    for rows, inter in SILU + ([] if args.smoke else SERVING_SILU):
+        for dtype in dtypes:
+            record(f"silu x up {rows}x{inter} {dtype}", _silu_mul, rows, inter, dtype, device)
     record("kv write bf16", _kv_write, False, device)
     if (
         not args.smoke
@@ -182,6 +190,12 @@ def _decode(heads, kv_heads, head_dim, page_size, window, lens, kv, dtype, devic
     q = q.to(device, dtype)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     return _compare(paged_decode_attention_triton(q, *args), paged_decode_attention_reference(q, *args), tol)
+
+
+def _silu_mul(rows: int, inter: int, dtype: torch.dtype, device) -> dict:
+    gate_up = (torch.randn(rows, 2 * inter, device=device) * 6).to(dtype)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    return _compare(silu_mul_triton(gate_up), silu_mul_reference(gate_up), tol)
 
 
 def _kv_write(fp8: bool, device) -> dict:
