@@ -30,7 +30,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 import uuid
 from dataclasses import fields
@@ -41,7 +40,7 @@ from gpu_workers.encoder_checkpoint import is_encoder_checkpoint
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
 from gpu_workers.pools.consumer import consume
-from gpu_workers.pools.embed import run_embed_worker
+from gpu_workers.pools.embed import ConfigDrain, run_embed_worker
 from gpu_workers.pools.handoff import HandoffStore
 from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
 from gpu_workers.pools.metrics import EngineCollector, Exporter
@@ -49,7 +48,6 @@ from gpu_workers.pools.tasks import TaskRunner
 from gpu_workers.protocol import (
     EXIT_RELOAD,
     POOLS,
-    SUCCESSOR_FIRST_ENV,
     DeploymentSpec,
     WorkerInfo,
     connect_redis,
@@ -125,8 +123,6 @@ def run_worker(
     if not watch.current():  # changed since the caller read the database: read it again before loading
         log.info("worker %s: the config of %s changed before it started; reloading", worker_id, spec.name)
         raise SystemExit(EXIT_RELOAD)
-    stale, draining = threading.Event(), threading.Event()
-    successor_first = os.environ.get(SUCCESSOR_FIRST_ENV) == "1"
     config = engine_config(spec, pool, secret, device)
     engine = Engine.from_pretrained(spec.checkpoint, config)
     # A prefill worker's requests end at their first token; decode and serve workers also run decode steps.
@@ -151,6 +147,7 @@ def run_worker(
         export_kv=kv_format_name(decode_format) if decode_format is not None else None,
     )
     runner.register()
+    reload = ConfigDrain(client, watch, worker_id, runner.requeue_worker_queue, log)
     kv_format = kv_format_name(config.kv_dtype)
 
     def info() -> WorkerInfo:
@@ -177,43 +174,14 @@ def run_worker(
             preemptions=stats["preemptions"],
             config_version=watch.version,
             integrity_check=spec.integrity_check,
-            config_stale=stale.is_set(),
-            draining=draining.is_set(),
+            config_stale=reload.stale.is_set(),
+            draining=reload.draining.is_set(),
         )
 
     def upkeep() -> None:
         runner.inflight.renew()
         store.sweep()
-        if draining.is_set():
-            if heartbeat.left and client.llen(worker_queue(worker_id)):
-                runner.requeue_worker_queue(worker_id)  # out of the pool: what a router queued as it left
-            return
-        if not stale.is_set():
-            if watch.current():
-                return
-            # Stale for good, even if the config is changed back before it drains: its supervisor may have
-            # started a successor for it already, and both would then serve the one slot (see the docstring).
-            stale.set()
-            then = "serving until a successor is live" if successor_first else "draining, then reloading"
-            log.info(
-                "worker %s: %s is now config version %s; %s", worker_id, spec.name, watch.announced, then
-            )
-            heartbeat.beat()  # a supervisor sees it stale now
-        if successor_first:
-            successor = watch.successor(heartbeat.live_peers())
-            if successor is None:
-                return
-            log.info(
-                "worker %s: %s serves the new config; leaving the pool to drain",
-                worker_id,
-                successor.worker_id,
-            )
-            heartbeat.leave()
-            runner.requeue_worker_queue(worker_id)  # the router may have picked it just before it left
-        draining.set()
-        heartbeat.beat()  # peers see it draining now (if it is still in the pool)
-        # Celery's warm shutdown: no new tasks, the running ones finish on this engine, then exit.
-        celery_state.should_stop = EXIT_RELOAD
+        reload.tick(heartbeat)  # a config change: stale, then drain (the docstring says when)
 
     heartbeat = Heartbeat(
         client,
@@ -241,11 +209,12 @@ def run_worker(
     try:
         consume(app, worker_id, host, queues, threads, loglevel)
     finally:
-        reloading = draining.is_set() and engine.failed is None
-        heartbeat.stop(leave=successor_first or not reloading)
+        reloading = reload.draining.is_set() and engine.failed is None
+        heartbeat.stop(leave=reload.leave_on_stop(reloading))
         exporter.stop()
         engine.stop()
-    if reloading or stale.is_set():  # stopped while stale: its supervisor let it drain before a successor
+    # Stopped while stale too: its supervisor let it drain before a successor.
+    if reloading or reload.stale.is_set():
         runner.requeue_worker_queue(worker_id)  # what was queued for it while it drained: its successor's
     if reloading:
         log.info("worker %s drained; exits with %d to restart on the new config", worker_id, EXIT_RELOAD)
