@@ -7,7 +7,7 @@ vectors (``protocol.Embeddings``) and the usage (``prompt_tokens``: every input'
 cached or generated). An attempt begins and ends as a generation attempt does (``RequestStream.begin``: the
 lease, the in-flight record, the cancel key), so a redelivered task of a finished request adds nothing and a
 live peer re-queues the requests of a worker that died. A config change is handled as a generation worker's
-(``ConfigDrain``, shared with ``pools.worker``): under a successor-first supervisor (``tessera up``) the
+(``heartbeat.ConfigDrain``, shared with ``pools.worker``): under a successor-first supervisor (``tessera up``) the
 worker keeps serving, reporting ``config_stale``, until a peer on the latest announced config is live, then
 leaves the pool, hands its queue over, finishes its running tasks and exits with ``EXIT_RELOAD``; under any
 other supervisor it drains at once and exits with ``EXIT_RELOAD`` for its supervisor to restart it.
@@ -19,23 +19,19 @@ import base64
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable
 
 import redis
 from celery import Celery
-from celery.worker import state as celery_state
 
 from gpu_workers.engine.embedder import DeadlineExceeded, Embedder, EmbedderConfig
 from gpu_workers.engine.params import InvalidRequest
 from gpu_workers.pools.consumer import consume
-from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
+from gpu_workers.pools.heartbeat import ConfigDrain, ConfigWatch, Heartbeat
 from gpu_workers.pools.inflight import Inflight, take_orphans
 from gpu_workers.pools.stream import LeaseLost, RequestStream
 from gpu_workers.protocol import (
     EXIT_RELOAD,
-    SUCCESSOR_FIRST_ENV,
     TASK_EMBED,
     DeploymentSpec,
     Embeddings,
@@ -81,74 +77,6 @@ def encode_vectors(vectors) -> Embeddings:
     """[n, d] fp32 tensor -> the wire form (base64 of little-endian float32 rows)."""
     raw = vectors.contiguous().numpy().astype("<f4", copy=False).tobytes()
     return Embeddings(shape=list(vectors.shape), data=base64.b64encode(raw).decode("ascii"))
-
-
-class ConfigDrain:
-    """What a worker does when its deployment's announced config is no longer the one it serves, on each
-    heartbeat tick (``tick``); the generation worker (``pools.worker``, whose docstring says why) and the
-    embedding worker share it. ``stale``: it reported ``config_stale`` and stays so; ``draining``: it takes
-    no new tasks (Celery's warm shutdown, exit ``EXIT_RELOAD``). Under a successor-first supervisor
-    (``SUCCESSOR_FIRST_ENV``) it keeps serving while stale until a peer on the latest announced config is
-    live, then leaves the pool and drains; otherwise it drains at once, its entry kept (marked draining) for
-    its successor to hand its queue over. ``requeue`` hands a worker's own queue over to the pool. It is
-    here, not in ``pools.worker``, because that module imports this one (sibling imports stay acyclic)."""
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        watch: ConfigWatch,
-        worker_id: str,
-        requeue: Callable[[str], None],
-        logger: logging.Logger = log,
-    ):
-        self.client = client
-        self.watch = watch
-        self.worker_id = worker_id
-        self.requeue = requeue
-        self.log = logger
-        self.successor_first = os.environ.get(SUCCESSOR_FIRST_ENV) == "1"
-        self.stale, self.draining = threading.Event(), threading.Event()
-
-    def tick(self, heartbeat: Heartbeat) -> None:
-        if self.draining.is_set():
-            if heartbeat.left and self.client.llen(worker_queue(self.worker_id)):
-                self.requeue(self.worker_id)  # out of the pool: what a router queued as it left
-            return
-        if not self.stale.is_set():
-            if self.watch.current():
-                return
-            # Stale for good, even if the config is changed back before it drains: its supervisor may have
-            # started a successor for it already, and both would then serve the one slot.
-            self.stale.set()
-            then = "serving until a successor is live" if self.successor_first else "draining, then reloading"
-            self.log.info(
-                "worker %s: %s is now config version %s; %s",
-                self.worker_id,
-                self.watch.spec.name,
-                self.watch.announced,
-                then,
-            )
-            heartbeat.beat()  # a supervisor sees it stale now
-        if self.successor_first:
-            successor = self.watch.successor(heartbeat.live_peers())
-            if successor is None:
-                return
-            self.log.info(
-                "worker %s: %s serves the new config; leaving the pool to drain",
-                self.worker_id,
-                successor.worker_id,
-            )
-            heartbeat.leave()
-            self.requeue(self.worker_id)  # the router may have picked it just before it left
-        self.draining.set()
-        heartbeat.beat()  # peers see it draining now (if it is still in the pool)
-        # Celery's warm shutdown: no new tasks, the running ones finish, then exit.
-        celery_state.should_stop = EXIT_RELOAD
-
-    def leave_on_stop(self, reloading: bool) -> bool:
-        """Whether the heartbeat's entry goes when the worker stops (``Heartbeat.stop``): it stays only for a
-        reload without a successor first, whose successor hands over what is routed to it meanwhile."""
-        return self.successor_first or not reloading
 
 
 class EmbedRunner:

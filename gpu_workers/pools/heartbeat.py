@@ -11,20 +11,25 @@ own queue over (the router may still pick it until its entry goes stale).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
 import redis
+from celery.worker import state as celery_state
 
 from gpu_workers.lifecycle import live
 from gpu_workers.protocol import (
+    EXIT_RELOAD,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
+    SUCCESSOR_FIRST_ENV,
     DeploymentSpec,
     MessageError,
     WorkerInfo,
     config_key,
+    worker_queue,
     workers_key,
 )
 
@@ -166,3 +171,70 @@ class ConfigWatch:
             return None
         self.announced = int(version)
         return announced
+
+
+class ConfigDrain:
+    """What a worker does when its deployment's announced config is no longer the one it serves, on each
+    heartbeat tick (``tick``); the generation worker (``pools.worker``, whose docstring says why) and the
+    embedding worker share it. ``stale``: it reported ``config_stale`` and stays so; ``draining``: it takes
+    no new tasks (Celery's warm shutdown, exit ``EXIT_RELOAD``). Under a successor-first supervisor
+    (``SUCCESSOR_FIRST_ENV``) it keeps serving while stale until a peer on the latest announced config is
+    live, then leaves the pool and drains; otherwise it drains at once, its entry kept (marked draining) for
+    its successor to hand its queue over. ``requeue`` hands a worker's own queue over to the pool."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        watch: ConfigWatch,
+        worker_id: str,
+        requeue: Callable[[str], None],
+        logger: logging.Logger = log,
+    ):
+        self.client = client
+        self.watch = watch
+        self.worker_id = worker_id
+        self.requeue = requeue
+        self.log = logger
+        self.successor_first = os.environ.get(SUCCESSOR_FIRST_ENV) == "1"
+        self.stale, self.draining = threading.Event(), threading.Event()
+
+    def tick(self, heartbeat: Heartbeat) -> None:
+        if self.draining.is_set():
+            if heartbeat.left and self.client.llen(worker_queue(self.worker_id)):
+                self.requeue(self.worker_id)  # out of the pool: what a router queued as it left
+            return
+        if not self.stale.is_set():
+            if self.watch.current():
+                return
+            # Stale for good, even if the config is changed back before it drains: its supervisor may have
+            # started a successor for it already, and both would then serve the one slot.
+            self.stale.set()
+            then = "serving until a successor is live" if self.successor_first else "draining, then reloading"
+            self.log.info(
+                "worker %s: %s is now config version %s; %s",
+                self.worker_id,
+                self.watch.spec.name,
+                self.watch.announced,
+                then,
+            )
+            heartbeat.beat()  # a supervisor sees it stale now
+        if self.successor_first:
+            successor = self.watch.successor(heartbeat.live_peers())
+            if successor is None:
+                return
+            self.log.info(
+                "worker %s: %s serves the new config; leaving the pool to drain",
+                self.worker_id,
+                successor.worker_id,
+            )
+            heartbeat.leave()
+            self.requeue(self.worker_id)  # the router may have picked it just before it left
+        self.draining.set()
+        heartbeat.beat()  # peers see it draining now (if it is still in the pool)
+        # Celery's warm shutdown: no new tasks, the running ones finish, then exit.
+        celery_state.should_stop = EXIT_RELOAD
+
+    def leave_on_stop(self, reloading: bool) -> bool:
+        """Whether the heartbeat's entry goes when the worker stops (``Heartbeat.stop``): it stays only for a
+        reload without a successor first, whose successor hands over what is routed to it meanwhile."""
+        return self.successor_first or not reloading

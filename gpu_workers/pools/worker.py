@@ -40,9 +40,9 @@ from gpu_workers.encoder_checkpoint import is_encoder_checkpoint
 from gpu_workers.engine import Engine, EngineConfig
 from gpu_workers.kv.transfer import kv_format_name
 from gpu_workers.pools.consumer import consume
-from gpu_workers.pools.embed import ConfigDrain, run_embed_worker
+from gpu_workers.pools.embed import run_embed_worker
 from gpu_workers.pools.handoff import HandoffStore
-from gpu_workers.pools.heartbeat import ConfigWatch, Heartbeat
+from gpu_workers.pools.heartbeat import ConfigDrain, ConfigWatch, Heartbeat
 from gpu_workers.pools.metrics import EngineCollector, Exporter
 from gpu_workers.pools.tasks import TaskRunner
 from gpu_workers.protocol import (
