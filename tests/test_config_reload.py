@@ -19,6 +19,7 @@ import pytest
 import redis
 from tessera.launcher import DEFAULT_MODEL
 from test_launcher import assert_all_stopped, read_line, start_up, stop_up
+from worker_deployments import worker_deployment
 
 from gpu_workers.protocol import HEARTBEAT_INTERVAL_S, WorkerInfo, workers_key
 
@@ -182,11 +183,10 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
     at once on the new config, and a request queued for it while it restarted is served by its successor."""
     import io
 
-    from tessera import db, deployments
+    from tessera import deployments
     from tessera.supervisor import Supervisor
 
     from gpu_workers.protocol import (
-        SUCCESSOR_FIRST_ENV,
         TASK_SERVE,
         GenerateTask,
         Sampling,
@@ -197,20 +197,12 @@ def test_without_a_successor_first_a_worker_drains_restarts_at_once_and_its_queu
     )
 
     client = redis.Redis.from_url(REDIS_URL)
-    database_url = f"sqlite:///{tmp_path / 'tessera.db'}"
-    db.upgrade(database_url)
-    sessions = db.session_factory(db.make_engine(database_url))
     name = f"@test/reload-{os.getpid()}-{int(time.time() * 1000) % 10**6}"
     config = {"name": name, "checkpoint": str(demo_model_dir), "mode": "colocated", "max_model_len": 128}
-    with sessions() as session:
-        deployments.create_deployment(session, {**config, "max_tokens_limit": 32}, actor="test", redis=client)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_") and k != SUCCESSOR_FIRST_ENV}
-    env |= {
-        "TESSERA_DATA_DIR": str(tmp_path),
-        "TESSERA_DATABASE_URL": database_url,
-        "TESSERA_REDIS_URL": REDIS_URL,
-        "TESSERA_SECRET_KEY": "reload-test-secret-" * 3,
-    }
+    stack = worker_deployment(
+        tmp_path, client, REDIS_URL, {**config, "max_tokens_limit": 32}, "reload-test-secret-" * 3
+    )
+    sessions, env = stack.sessions, stack.env
     supervisor = Supervisor(io.StringIO(), backoff_s=60)  # only an immediate restart passes in time
     command = [sys.executable, "-m", "tessera.cli", "worker", "--deployment", name, "--pool", "serve"]
     supervisor.spawn("serve worker", [*command, "--threads", "4"], env, tmp_path / "worker.log")
@@ -324,22 +316,18 @@ def test_a_change_reverted_before_the_successor_is_live_leaves_one_worker_on_the
     from gpu_workers.protocol import SUCCESSOR_FIRST_ENV, config_key, connect_redis
 
     client = redis.Redis.from_url(REDIS_URL)
-    database_url = f"sqlite:///{tmp_path / 'tessera.db'}"
-    db.upgrade(database_url)
-    sessions = db.session_factory(db.make_engine(database_url))
     name = f"@test/revert-{os.getpid()}-{int(time.time() * 1000) % 10**6}"
     config = {"name": name, "checkpoint": str(demo_model_dir), "mode": "colocated", "max_model_len": 128}
-    with sessions() as session:
-        deployments.create_deployment(session, {**config, "max_tokens_limit": 32}, actor="test", redis=client)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    env |= {
-        "TESSERA_DATA_DIR": str(tmp_path),
-        "TESSERA_DATABASE_URL": database_url,
-        "TESSERA_REDIS_URL": REDIS_URL,
-        "TESSERA_SECRET_KEY": "revert-test-secret-" * 3,
-        "OMP_NUM_THREADS": "1",
-        SUCCESSOR_FIRST_ENV: "1",
-    }
+    stack = worker_deployment(
+        tmp_path,
+        client,
+        REDIS_URL,
+        {**config, "max_tokens_limit": 32},
+        "revert-test-secret-" * 3,
+        OMP_NUM_THREADS="1",
+        **{SUCCESSOR_FIRST_ENV: "1"},
+    )
+    sessions, env, database_url = stack.sessions, stack.env, stack.database_url
     out = io.StringIO()
     launcher = Launcher(Settings(data_dir=tmp_path, redis_url=REDIS_URL, database_url=database_url), out)
     launcher.redis = connect_redis(REDIS_URL)

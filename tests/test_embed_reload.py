@@ -14,9 +14,10 @@ from types import SimpleNamespace
 
 import redis
 from embedding_models import minilm_dir
-from tessera import db, deployments
+from tessera import deployments
 from tessera.launcher import Launcher
 from tessera.supervisor import Supervisor
+from worker_deployments import worker_deployment
 
 from gpu_workers.encoder_checkpoint import EncoderTokenizer
 from gpu_workers.lifecycle import live
@@ -42,21 +43,13 @@ TIMEOUT_S = 180.0  # generous: each condition below is waited on, never timed
 def test_a_stale_embedding_worker_serves_until_its_successor_is_live_then_leaves(tmp_path, tmp_path_factory):
     client = redis.Redis.from_url(REDIS_URL)
     checkpoint = minilm_dir(tmp_path_factory.mktemp("minilm-cache"))
-    database_url = f"sqlite:///{tmp_path / 'tessera.db'}"
-    db.upgrade(database_url)
-    sessions = db.session_factory(db.make_engine(database_url))
     name = f"@test/embed-reload-{uuid.uuid4().hex[:8]}"
     config = {"name": name, "checkpoint": str(checkpoint), "mode": "colocated", "max_num_seqs": 8}
-    with sessions() as session:
-        deployments.create_deployment(session, config, actor="test", redis=client)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
-    env |= {
-        "TESSERA_DATA_DIR": str(tmp_path),
-        "TESSERA_DATABASE_URL": database_url,
-        "TESSERA_REDIS_URL": REDIS_URL,
-        "TESSERA_SECRET_KEY": "embed-reload-test-secret-" * 3,
-        SUCCESSOR_FIRST_ENV: "1",  # as `tessera up` runs its workers
-    }
+    # SUCCESSOR_FIRST_ENV: as `tessera up` runs its workers
+    stack = worker_deployment(
+        tmp_path, client, REDIS_URL, config, "embed-reload-test-secret-" * 3, **{SUCCESSOR_FIRST_ENV: "1"}
+    )
+    sessions, env = stack.sessions, stack.env
     supervisor = Supervisor(io.StringIO(), backoff_s=60)  # a worker that fails is not back within the test
     command = [sys.executable, "-m", "tessera.cli", "worker", "--deployment", name, "--pool", "serve"]
     supervisor.spawn("serve worker", [*command, "--threads", "2"], env, tmp_path / "worker.log")
